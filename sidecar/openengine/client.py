@@ -1,0 +1,431 @@
+"""The trio-facing OpenEngine client: every RPC of ``Inference`` and ``Control``.
+
+Resources: a small pool of grpclib channels (HTTP/2 connections) — one for control calls,
+one for KV-event subscriptions, and ``generate_channels`` for Generate streams — so
+control traffic never queues behind token streams. Channels reconnect lazily: after the
+engine restarts, the next call opens a new connection (callers add backoff).
+
+Cancellation: each call's whole grpclib lifecycle (open, send, receive, close) runs in ONE
+asyncio coroutine that trio awaits once (NOTES.md: wrapping ``open()`` itself leaks the
+stream). Cancelling the trio caller cancels that coroutine, whose ``async with`` resets the
+HTTP/2 stream, so the engine sees the cancellation at once.
+
+Errors: only the typed errors of :mod:`sidecar.openengine.errors` escape. Deadlines follow
+trio's effective deadline (sent to the engine as ``grpc-timeout``); when it passes, the
+caller's cancel scope fires as usual.
+
+Must run inside ``trio_asyncio.open_loop()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator, Callable, Collection, Mapping
+from contextlib import asynccontextmanager
+from typing import Any, Generic, Protocol, TypeVar
+
+import grpclib.exceptions
+import h2.exceptions
+import trio
+import trio_asyncio
+from grpclib.client import Channel
+from grpclib.const import Cardinality
+from grpclib.encoding.base import CodecBase
+
+from sidecar.nursery import open_background_nursery
+from sidecar.openengine import pb
+from sidecar.openengine.address import EngineAddress, parse_engine_address
+from sidecar.openengine.errors import (
+    STATUS_TO_CODE,
+    EngineClientError,
+    EngineProtocolError,
+    EngineStatusError,
+    EngineUnavailable,
+)
+from sidecar.openengine.stream_rules import DrainRules, GenerateRules, KvEventRules
+
+MetadataLike = Mapping[str, str] | Collection[tuple[str, str]]
+T = TypeVar("T")
+
+_INFERENCE = "/openengine.v1.Inference/"
+_CONTROL = "/openengine.v1.Control/"
+
+
+class _Codec(CodecBase):
+    """betterproto2 messages on the wire; ``bytes`` are sent as already-serialized messages."""
+
+    __content_subtype__ = "proto"
+
+    def encode(self, message: Any, message_type: Any) -> bytes:
+        if isinstance(message, bytes | bytearray | memoryview):
+            return bytes(message)
+        return bytes(message)
+
+    def decode(self, data: bytes, message_type: Any) -> Any:
+        return message_type.parse(data)
+
+
+class _Rules(Protocol):
+    terminal: bool
+
+    def observe(self, resp: Any) -> Any: ...
+
+    def check_end(self) -> None: ...
+
+
+def _metadata(metadata: MetadataLike | None) -> list[tuple[str, str]] | None:
+    if not metadata:
+        return None
+    items = metadata.items() if isinstance(metadata, Mapping) else metadata
+    return [(str(k), str(v)) for k, v in items]
+
+
+def _timeout() -> float | None:
+    deadline = trio.current_effective_deadline()
+    if math.isinf(deadline):
+        return None
+    return max(deadline - trio.current_time(), 0.001)
+
+
+class _DeadlineHit(Exception):
+    """grpclib's own timeout fired; the trio caller's deadline is due."""
+
+
+def _translate(exc: BaseException, what: str) -> BaseException:
+    """Map a grpclib/h2/OS exception to one of our typed errors (or pass through)."""
+    if isinstance(exc, EngineClientError | _DeadlineHit):
+        return exc
+    if isinstance(exc, grpclib.exceptions.GRPCError):
+        name = exc.status.name
+        return EngineStatusError(name, exc.status.value, exc.message or "", STATUS_TO_CODE.get(name))
+    if isinstance(exc, TimeoutError | asyncio.TimeoutError):
+        return _DeadlineHit()
+    if isinstance(
+        exc,
+        grpclib.exceptions.StreamTerminatedError
+        | grpclib.exceptions.ProtocolError
+        | h2.exceptions.H2Error
+        | ConnectionError
+        | OSError
+        | EOFError,
+    ):
+        return EngineUnavailable(
+            f"{what}: engine unreachable or connection lost ({type(exc).__name__}: {exc})"
+        )
+    return EngineProtocolError(f"{what}: engine sent something undecodable ({type(exc).__name__}: {exc})")
+
+
+async def _raise_translated(exc: BaseException) -> None:
+    if isinstance(exc, _DeadlineHit):
+        # Let the caller's cancel scope fire, exactly as if trio had timed out first.
+        await trio.sleep_until(trio.current_effective_deadline())
+        raise EngineUnavailable("deadline exceeded before the engine answered")
+    raise exc
+
+
+class EngineStream(Generic[T]):
+    """A trio-native server stream: ``async for msg in stream``.
+
+    Validates each message with the stream's rules; a terminal ``EngineError`` raises
+    :class:`EngineTerminalError`, a rule violation :class:`EngineProtocolError`, a lost
+    connection :class:`EngineUnavailable`. ``terminal_seen`` tells whether the request
+    reached its terminal event (the sidecar sends no Abort then).
+    """
+
+    def __init__(self, receive: trio.MemoryReceiveChannel[T], rules: _Rules, request_id: str = "") -> None:
+        self._receive = receive
+        self._rules = rules
+        self._failure: BaseException | None = None
+        self._done = False
+        self.request_id = request_id
+        self.messages = 0
+
+    @property
+    def terminal_seen(self) -> bool:
+        return self._rules.terminal
+
+    def __aiter__(self) -> EngineStream[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            msg = await self._receive.receive()
+        except trio.EndOfChannel:
+            self._done = True
+            if self._failure is not None:
+                await _raise_translated(self._failure)
+            self._rules.check_end()
+            raise StopAsyncIteration from None
+        self.messages += 1
+        try:
+            self._rules.observe(msg)
+        except EngineClientError:
+            self._done = True
+            raise
+        return msg
+
+
+class EngineClient:
+    """Trio-native calls to one engine. Create with :func:`open_engine_client`."""
+
+    def __init__(
+        self, address: EngineAddress, *, generate_channels: int = 4, stream_buffer: int = 64
+    ) -> None:
+        self.address = address
+        self._generate_pool_size = max(1, generate_channels)
+        self._stream_buffer = stream_buffer
+        self._control: Channel | None = None
+        self._kv: Channel | None = None
+        self._generate: list[Channel] = []
+        self._generate_load: list[int] = []
+        self._closed = False
+
+    # -- channels (asyncio side only) -------------------------------------------------
+
+    def _new_channel(self) -> Channel:
+        if self._closed:
+            raise EngineUnavailable("engine client is closed")
+        a = self.address
+        if a.path is not None:
+            return Channel(path=a.path, codec=_Codec(), status_details_codec=None)
+        return Channel(a.host, a.port, codec=_Codec(), status_details_codec=None)
+
+    def _control_channel(self) -> Channel:
+        if self._control is None:
+            self._control = self._new_channel()
+        return self._control
+
+    def _kv_channel(self) -> Channel:
+        if self._kv is None:
+            self._kv = self._new_channel()
+        return self._kv
+
+    def _pick_generate_channel(self) -> int:
+        if len(self._generate) < self._generate_pool_size:
+            self._generate.append(self._new_channel())
+            self._generate_load.append(0)
+            return len(self._generate) - 1
+        return min(range(len(self._generate)), key=self._generate_load.__getitem__)
+
+    async def aclose(self) -> None:
+        """Close every connection (idempotent). In-flight calls fail with EngineUnavailable."""
+        if self._closed:
+            return
+        self._closed = True
+        channels = [c for c in (self._control, self._kv, *self._generate) if c is not None]
+        self._control = self._kv = None
+        self._generate, self._generate_load = [], []
+
+        async def close_all() -> None:
+            for ch in channels:
+                ch.close()
+
+        with trio.CancelScope(shield=True):
+            await trio_asyncio.aio_as_trio(close_all)()
+
+    # -- unary calls ----------------------------------------------------------------------
+
+    async def _unary(self, route: str, request: Any, reply_type: type[T], metadata: MetadataLike | None) -> T:
+        timeout = _timeout()
+        md = _metadata(metadata)
+
+        async def call() -> T:
+            channel = self._control_channel()
+            async with channel.request(
+                route, Cardinality.UNARY_UNARY, type(request), reply_type, timeout=timeout, metadata=md
+            ) as stream:
+                await stream.send_message(request, end=True)
+                reply = await stream.recv_message()
+            if reply is None:
+                raise EngineProtocolError(f"{route}: engine closed the call without a reply")
+            return reply
+
+        try:
+            return await trio_asyncio.aio_as_trio(call)()
+        except (Exception, asyncio.CancelledError) as exc:
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            await _raise_translated(_translate(exc, route.rsplit("/", 1)[-1]))
+            raise AssertionError("unreachable") from None
+
+    async def get_server_info(self, *, metadata: MetadataLike | None = None) -> pb.ServerInfo:
+        return await self._unary(
+            _CONTROL + "GetServerInfo", pb.GetServerInfoRequest(), pb.ServerInfo, metadata
+        )
+
+    async def get_model_info(self, model: str = "", *, metadata: MetadataLike | None = None) -> pb.ModelInfo:
+        return await self._unary(
+            _CONTROL + "GetModelInfo", pb.GetModelInfoRequest(model=model), pb.ModelInfo, metadata
+        )
+
+    async def get_load(
+        self, include_per_rank: bool = True, *, metadata: MetadataLike | None = None
+    ) -> pb.LoadInfo:
+        request = pb.GetLoadRequest(include_per_rank=include_per_rank)
+        return await self._unary(_CONTROL + "GetLoad", request, pb.LoadInfo, metadata)
+
+    async def health(
+        self, request: pb.HealthRequest | None = None, *, metadata: MetadataLike | None = None
+    ) -> pb.HealthResponse:
+        request = request or pb.HealthRequest()
+        return await self._unary(_CONTROL + "Health", request, pb.HealthResponse, metadata)
+
+    async def abort(
+        self, request: pb.AbortRequest, *, metadata: MetadataLike | None = None
+    ) -> pb.AbortResponse:
+        return await self._unary(_CONTROL + "Abort", request, pb.AbortResponse, metadata)
+
+    async def load_lora(
+        self, request: pb.LoadLoraRequest, *, metadata: MetadataLike | None = None
+    ) -> pb.LoadLoraResponse:
+        return await self._unary(_CONTROL + "LoadLora", request, pb.LoadLoraResponse, metadata)
+
+    async def unload_lora(
+        self, request: pb.UnloadLoraRequest, *, metadata: MetadataLike | None = None
+    ) -> pb.UnloadLoraResponse:
+        return await self._unary(_CONTROL + "UnloadLora", request, pb.UnloadLoraResponse, metadata)
+
+    async def list_loras(self, *, metadata: MetadataLike | None = None) -> pb.ListLorasResponse:
+        return await self._unary(
+            _CONTROL + "ListLoras", pb.ListLorasRequest(), pb.ListLorasResponse, metadata
+        )
+
+    async def get_kv_event_sources(
+        self, request: pb.GetKvEventSourcesRequest | None = None, *, metadata: MetadataLike | None = None
+    ) -> pb.GetKvEventSourcesResponse:
+        request = request or pb.GetKvEventSourcesRequest()
+        return await self._unary(
+            _CONTROL + "GetKvEventSources", request, pb.GetKvEventSourcesResponse, metadata
+        )
+
+    # -- server streams -------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def _server_stream(
+        self,
+        route: str,
+        request: Any,
+        wire_request: Any,
+        reply_type: type[T],
+        rules: _Rules,
+        metadata: MetadataLike | None,
+        pick: Callable[[], tuple[Channel, Callable[[], None]]],
+        request_id: str = "",
+    ) -> AsyncIterator[EngineStream[T]]:
+        send, receive = trio.open_memory_channel[T](self._stream_buffer)
+        stream: EngineStream[T] = EngineStream(receive, rules, request_id)
+        timeout = _timeout()
+        md = _metadata(metadata)
+        what = route.rsplit("/", 1)[-1]
+
+        async def pump() -> None:
+            # asyncio side: the whole call lives here (NOTES.md). Messages go to trio with
+            # send_nowait (no loop hop); only a full channel awaits trio (back-pressure).
+            channel, release = pick()
+            try:
+                async with channel.request(
+                    route, Cardinality.UNARY_STREAM, type(request), reply_type, timeout=timeout, metadata=md
+                ) as st:
+                    await st.send_message(wire_request, end=True)
+                    async for msg in st:
+                        try:
+                            send.send_nowait(msg)
+                        except trio.WouldBlock:
+                            await trio_asyncio.trio_as_aio(send.send)(msg)
+            except trio.BrokenResourceError:
+                pass  # the consumer left; our cancellation follows
+            except Exception as exc:
+                stream._failure = _translate(exc, what)
+            finally:
+                release()
+                send.close()
+
+        async with open_background_nursery() as nursery:
+            nursery.start_soon(trio_asyncio.aio_as_trio(pump))
+            try:
+                yield stream
+            finally:
+                nursery.cancel_scope.cancel()
+                receive.close()
+
+    def _pick_generate(self) -> tuple[Channel, Callable[[], None]]:
+        i = self._pick_generate_channel()
+        channel = self._generate[i]
+        self._generate_load[i] += 1
+
+        def release() -> None:
+            if i < len(self._generate_load) and self._generate[i] is channel:
+                self._generate_load[i] -= 1
+
+        return channel, release
+
+    def generate(
+        self,
+        request: pb.GenerateRequest,
+        *,
+        metadata: MetadataLike | None = None,
+        wire_request: bytes | None = None,
+    ) -> Any:
+        """Open a Generate stream (async context manager yielding an :class:`EngineStream`).
+
+        ``wire_request``, when given, is the exact serialized request to send (e.g. with a
+        ``KvSessionRef`` spliced in byte-for-byte); ``request`` is then its parsed view, used
+        for the stream rules.
+        """
+        rules = GenerateRules.for_request(request)
+        return self._server_stream(
+            _INFERENCE + "Generate",
+            request,
+            wire_request if wire_request is not None else request,
+            pb.GenerateResponse,
+            rules,
+            metadata,
+            self._pick_generate,
+            request.request_id,
+        )
+
+    def drain(self, request: pb.DrainRequest, *, metadata: MetadataLike | None = None) -> Any:
+        """Open a Drain stream (async context manager yielding ``pb.DrainResponse`` items)."""
+        return self._server_stream(
+            _CONTROL + "Drain",
+            request,
+            request,
+            pb.DrainResponse,
+            DrainRules(),
+            metadata,
+            lambda: (self._control_channel(), lambda: None),
+        )
+
+    def subscribe_kv_events(
+        self, request: pb.SubscribeKvEventsRequest, *, metadata: MetadataLike | None = None
+    ) -> Any:
+        """Open a KV-event subscription (``pb.SubscribeKvEventsResponse`` items) on its own channel."""
+        return self._server_stream(
+            _CONTROL + "SubscribeKvEvents",
+            request,
+            request,
+            pb.SubscribeKvEventsResponse,
+            KvEventRules(),
+            metadata,
+            lambda: (self._kv_channel(), lambda: None),
+        )
+
+
+@asynccontextmanager
+async def open_engine_client(
+    address: str | EngineAddress, *, generate_channels: int = 4, stream_buffer: int = 64
+) -> AsyncIterator[EngineClient]:
+    """An :class:`EngineClient` for ``address`` (``host:port``, ``http://host:port``, ``unix:///path``).
+
+    No connection is made until the first call. Raises :class:`EngineConfigError` for an
+    address it cannot parse. Closes every connection on exit.
+    """
+    addr = address if isinstance(address, EngineAddress) else parse_engine_address(address)
+    client = EngineClient(addr, generate_channels=generate_channels, stream_buffer=stream_buffer)
+    try:
+        yield client
+    finally:
+        await client.aclose()
