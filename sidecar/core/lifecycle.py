@@ -1,0 +1,357 @@
+"""The life of one admitted Generate stream, and the supervisor that owns them all.
+
+This module is the sidecar's cancellation contract (docs/LIFECYCLE.md):
+
+- A stream is *admitted* by :meth:`StreamSupervisor.admit` (draining, capacity and
+  duplicate ``request_id`` checks) and then *run* by :meth:`StreamSupervisor.run` in a task
+  of its connection's nursery. The upstream ``Generate`` call lives in that task's own
+  nursery (inside ``EngineClient.generate``).
+- Leaving the stream for any reason — client ``cancel``, socket closed, drain deadline,
+  inactivity timeout, engine error, shutdown — closes the upstream stream (HTTP/2 reset),
+  then, unless a terminal event was seen or the engine refused the request, sends
+  ``Abort{request_id}``: shielded, bounded by ``abort_timeout``; when the engine cannot be
+  reached the Abort is handed to a background retrier (exponential backoff within
+  ``abort_retry_window``) so the client's ``end`` is never held hostage by a dead engine.
+  ``ABORTED``, ``ALREADY_FINISHED`` and ``NOT_FOUND`` all count as done.
+- :meth:`run` always returns exactly one :class:`Outcome`; the caller sends it as the
+  stream's single ``end``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from sidecar.core import metrics
+from sidecar.core.errors import Rejection, error_code_name
+from sidecar.openengine import pb
+from sidecar.openengine.client import EngineClient
+from sidecar.openengine.errors import (
+    EngineClientError,
+    EngineProtocolError,
+    EngineStatusError,
+    EngineTerminalError,
+    EngineUnavailable,
+)
+
+log = logging.getLogger(__name__)
+
+COMPLETED, CANCELLED, FAILED, REJECTED = "completed", "cancelled", "failed", "rejected"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a stream ended: ``kind`` is the north ``end.outcome``; ``code`` None means no error."""
+
+    kind: str
+    code: pb.ErrorCode | None = None
+    message: str = ""
+    retryable: bool = False
+
+    def error_dict(self) -> dict[str, Any] | None:
+        if self.code is None:
+            return None
+        return {"code": error_code_name(self.code), "message": self.message, "retryable": self.retryable}
+
+    @classmethod
+    def from_rejection(cls, rejection: Rejection) -> Outcome:
+        return cls(REJECTED, rejection.code, rejection.message, rejection.retryable)
+
+
+OUTCOME_COMPLETED = Outcome(COMPLETED)
+OUTCOME_CLIENT_CANCELLED = Outcome(CANCELLED, pb.ErrorCode.CANCELLED, "cancelled by the client")
+OUTCOME_CLIENT_GONE = Outcome(CANCELLED, pb.ErrorCode.CANCELLED, "client connection closed")
+
+
+class ClientGone(Exception):
+    """Raised by an ``emit`` callback when the client can no longer receive events."""
+
+
+@dataclass
+class StreamHandle:
+    """One admitted stream: its request, cancel scope and (once cancelled) why."""
+
+    request: pb.GenerateRequest
+    metadata: Sequence[tuple[str, str]] = ()
+    wire_request: bytes | None = None
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    cancel_reason: Outcome | None = None
+    admitted_at: float = 0.0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def cancel(self, reason: Outcome) -> None:
+        """Cancel the stream (idempotent: the first reason wins)."""
+        if self.cancel_reason is None:
+            self.cancel_reason = reason
+        self.scope.cancel()
+
+
+@dataclass
+class LifecycleConfig:
+    """Bounds of the stream lifecycle (CLI flags of ``run``)."""
+
+    abort_timeout: float = 2.0
+    abort_retry_window: float = 30.0
+    inactivity_timeout: float = 0.0  # 0 = none
+    max_streams: int = 4096
+    error_emit_timeout: float = 1.0
+
+
+class StreamSupervisor:
+    """Owns every admitted stream of the sidecar (all connections, all planes).
+
+    Resources: a registry of in-flight request ids and a background nursery for Abort
+    retries (started with :meth:`run_service`). ``draining`` refuses new work with a typed
+    ``DRAINING`` rejection; :meth:`wait_idle` returns once no stream is in flight.
+    """
+
+    def __init__(self, engine: EngineClient, config: LifecycleConfig | None = None) -> None:
+        self.engine = engine
+        self.config = config or LifecycleConfig()
+        self.streams: dict[str, StreamHandle] = {}
+        self.draining = False
+        self._idle = trio.Event()
+        self._idle.set()
+        self._retry_nursery: trio.Nursery | None = None
+        self._id_prefix = uuid.uuid4().hex[:12]
+        self._next_id = 0
+
+    # -- service ---------------------------------------------------------------------------
+
+    async def run_service(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Host background Abort retries until cancelled (start in the root nursery)."""
+        async with trio.open_nursery() as nursery:
+            self._retry_nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    # -- admission -------------------------------------------------------------------------
+
+    def new_request_id(self) -> str:
+        self._next_id += 1
+        return f"sc-{self._id_prefix}-{self._next_id}"
+
+    def admit(
+        self,
+        request: pb.GenerateRequest,
+        metadata: Sequence[tuple[str, str]] = (),
+        wire_request: bytes | None = None,
+    ) -> StreamHandle:
+        """Register a stream or raise :class:`Rejection` (DRAINING, OVERLOADED, DUPLICATE_REQUEST).
+
+        An empty ``request_id`` is replaced by a sidecar-unique one (``wire_request``, when
+        given, must then already carry it).
+        """
+        if self.draining:
+            raise Rejection(pb.ErrorCode.DRAINING, "the sidecar is draining; send new work elsewhere", True)
+        if len(self.streams) >= self.config.max_streams:
+            raise Rejection(
+                pb.ErrorCode.OVERLOADED,
+                f"the sidecar is at its limit of {self.config.max_streams} streams",
+                True,
+            )
+        if not request.request_id:
+            request.request_id = self.new_request_id()
+        elif request.request_id in self.streams:
+            raise Rejection(
+                pb.ErrorCode.DUPLICATE_REQUEST, f"request_id {request.request_id!r} is already in flight here"
+            )
+        handle = StreamHandle(request, metadata, wire_request, admitted_at=trio.current_time())
+        self.streams[request.request_id] = handle
+        self._idle = trio.Event() if self._idle.is_set() else self._idle
+        metrics.ACTIVE_STREAMS.set(len(self.streams))
+        return handle
+
+    def _release(self, handle: StreamHandle) -> None:
+        if self.streams.get(handle.request_id) is handle:
+            del self.streams[handle.request_id]
+        metrics.ACTIVE_STREAMS.set(len(self.streams))
+        if not self.streams:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Return once no admitted stream is in flight."""
+        while self.streams:
+            await self._idle.wait()
+
+    def cancel_all(self, reason: Outcome) -> None:
+        for handle in list(self.streams.values()):
+            handle.cancel(reason)
+
+    # -- running ---------------------------------------------------------------------------
+
+    async def run(
+        self, handle: StreamHandle, emit: Callable[[pb.GenerateResponse], Awaitable[None]]
+    ) -> Outcome:
+        """Relay the engine's events to ``emit`` in order; return the stream's one outcome.
+
+        ``emit`` may block (back-pressure reaches the engine through HTTP/2 flow control) and
+        raises :class:`ClientGone` when the client left. Raises nothing but the ``Cancelled``
+        of an enclosing scope — and even then the upstream is closed and aborted first.
+        """
+        relay = _Relay(handle, emit, self.config)
+        try:
+            with handle.scope:
+                await relay.run(self.engine)
+        except ClientGone:
+            handle.cancel_reason = handle.cancel_reason or OUTCOME_CLIENT_GONE
+        finally:
+            try:
+                if relay.needs_abort():
+                    await self.abort(handle.request_id)
+            finally:
+                self._release(handle)
+        if relay.outcome is not None:
+            outcome = relay.outcome
+        elif relay.saw_terminal():
+            outcome = OUTCOME_COMPLETED
+        else:
+            outcome = handle.cancel_reason or Outcome(CANCELLED, pb.ErrorCode.CANCELLED, "cancelled")
+        metrics.STREAMS.labels(outcome.kind, error_code_name(outcome.code) if outcome.code else "").inc()
+        return outcome
+
+    # -- abort -----------------------------------------------------------------------------
+
+    async def abort(self, request_id: str) -> None:
+        """Abort ``request_id`` on the engine: shielded, bounded, retried in the background.
+
+        Returns after the first attempt (or ``abort_timeout``); a retryable failure hands the
+        request to the background retrier.
+        """
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(self.config.abort_timeout):
+                try:
+                    metrics.ABORTS.labels(await self._abort_once(request_id)).inc()
+                    return
+                except _RetryableAbort:
+                    pass
+                except EngineClientError as err:
+                    metrics.ABORTS.labels("failed").inc()
+                    log.warning("abort of %s failed: %s", request_id, err)
+                    return
+            if self._retry_nursery is not None:
+                self._retry_nursery.start_soon(self._retry_abort, request_id)
+            else:
+                metrics.ABORTS.labels("failed").inc()
+
+    async def _abort_once(self, request_id: str) -> str:
+        try:
+            resp = await self.engine.abort(pb.AbortRequest(request_id=request_id))
+        except EngineStatusError as err:
+            if err.status == "NOT_FOUND":
+                return "not_found"
+            if err.retryable:
+                raise _RetryableAbort from err
+            raise
+        except EngineUnavailable as err:
+            raise _RetryableAbort from err
+        if resp.status == pb.AbortStatus.ALREADY_FINISHED:
+            return "already_finished"
+        return "aborted"
+
+    async def _retry_abort(self, request_id: str) -> None:
+        deadline = trio.current_time() + self.config.abort_retry_window
+        delay = 0.05
+        while trio.current_time() < deadline:
+            await trio.sleep(min(delay, max(0.0, deadline - trio.current_time())))
+            delay = min(delay * 2, 2.0)
+            metrics.ABORT_RETRIES.inc()
+            with trio.move_on_after(self.config.abort_timeout):
+                try:
+                    metrics.ABORTS.labels(await self._abort_once(request_id)).inc()
+                    return
+                except _RetryableAbort:
+                    continue
+                except EngineClientError as err:
+                    log.warning("abort of %s failed: %s", request_id, err)
+                    break
+        metrics.ABORTS.labels("failed").inc()
+        log.warning("abort of %s gave up after %.0fs", request_id, self.config.abort_retry_window)
+
+
+class _RetryableAbort(Exception):
+    pass
+
+
+class _Relay:
+    """The upstream half of one stream (state for :meth:`StreamSupervisor.run`)."""
+
+    def __init__(
+        self,
+        handle: StreamHandle,
+        emit: Callable[[pb.GenerateResponse], Awaitable[None]],
+        config: LifecycleConfig,
+    ) -> None:
+        self.handle = handle
+        self.emit = emit
+        self.config = config
+        self.stream: Any = None
+        self.outcome: Outcome | None = None
+        self.refused = False
+
+    def saw_terminal(self) -> bool:
+        return self.stream is not None and self.stream.terminal_seen
+
+    def needs_abort(self) -> bool:
+        """Abort unless nothing was opened, a terminal was seen, or the engine refused the request."""
+        return self.stream is not None and not self.stream.terminal_seen and not self.refused
+
+    async def run(self, engine: EngineClient) -> None:
+        h, timeout = self.handle, self.config.inactivity_timeout
+        idle = trio.CancelScope()
+        with idle:
+            async with engine.generate(h.request, metadata=h.metadata, wire_request=h.wire_request) as stream:
+                self.stream = stream
+                if timeout:
+                    idle.deadline = trio.current_time() + timeout
+                try:
+                    await self._pump(stream, idle, timeout)
+                except EngineTerminalError as err:
+                    self.outcome = Outcome(FAILED, err.code, err.message, err.retryable)
+                    with trio.move_on_after(self.config.error_emit_timeout):
+                        await self.emit(err.event)  # type: ignore[arg-type]
+                    return
+                except (EngineStatusError, EngineUnavailable) as err:
+                    before = stream.messages == 0
+                    self.refused = before and isinstance(err, EngineStatusError)
+                    self.outcome = Outcome(REJECTED if before else FAILED, err.code, str(err), err.retryable)
+                    return
+                except EngineProtocolError as err:
+                    log.warning("stream %s: %s", h.request_id, err)
+                    self.outcome = Outcome(FAILED, err.code, str(err), err.retryable)
+                    return
+        if idle.cancelled_caught:
+            self.outcome = Outcome(
+                FAILED, pb.ErrorCode.INTERNAL, f"no event from the engine for {timeout:g}s", retryable=True
+            )
+        elif not h.scope.cancel_called:
+            self.outcome = OUTCOME_COMPLETED
+
+    async def _pump(self, stream: Any, idle: trio.CancelScope, timeout: float) -> None:
+        emit, started = self.emit, self.handle.admitted_at
+        last = None
+        async for ev in stream:
+            token = ev.token
+            if token is not None:
+                now = trio.current_time()
+                metrics.TOKENS.inc(len(token.tokens) or 1)
+                if last is None:
+                    metrics.TTFT.observe(now - started)
+                else:
+                    metrics.ITL.observe(now - last)
+                last = now
+            if timeout:
+                idle.deadline = math.inf
+                await emit(ev)
+                idle.deadline = trio.current_time() + timeout
+            else:
+                await emit(ev)

@@ -1,0 +1,197 @@
+"""Stream lifecycle against a real grpclib engine over loopback: outcomes and Abort rules."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import trio
+
+from sidecar.core.errors import Rejection
+from sidecar.core.lifecycle import (
+    CANCELLED,
+    COMPLETED,
+    FAILED,
+    OUTCOME_CLIENT_CANCELLED,
+    REJECTED,
+    ClientGone,
+    LifecycleConfig,
+    StreamSupervisor,
+)
+from sidecar.openengine import pb
+from sidecar.openengine.client import open_engine_client
+from tests.openengine.fake_engine import FakeEngine, Gate, RunningServer, Status, status, tokens
+
+
+@pytest.fixture
+async def server(aio_loop: Any) -> AsyncIterator[RunningServer]:
+    srv = RunningServer(FakeEngine())
+    await srv.start()
+    yield srv
+    await srv.stop()
+
+
+@pytest.fixture
+async def supervisor(server: RunningServer) -> AsyncIterator[StreamSupervisor]:
+    async with open_engine_client(server.address) as client, trio.open_nursery() as nursery:
+        sup = StreamSupervisor(client, LifecycleConfig(abort_timeout=1.0, abort_retry_window=2.0))
+        await nursery.start(sup.run_service)
+        yield sup
+        nursery.cancel_scope.cancel()
+
+
+def aborts(server: RunningServer) -> list[str]:
+    return [s.request.request_id for s in server.engine.seen if s.route == "Abort"]
+
+
+def request(rid: str = "r1") -> pb.GenerateRequest:
+    return pb.GenerateRequest(request_id=rid, model="m", prompt="hi")
+
+
+class Sink:
+    def __init__(self, *, gone_after: int | None = None) -> None:
+        self.events: list[pb.GenerateResponse] = []
+        self.gone_after = gone_after
+
+    async def __call__(self, ev: pb.GenerateResponse) -> None:
+        if self.gone_after is not None and len(self.events) >= self.gone_after:
+            raise ClientGone
+        self.events.append(ev)
+
+
+async def test_completed_stream_sends_no_abort(server: RunningServer, supervisor: StreamSupervisor) -> None:
+    server.engine.streams["Generate"] = lambda r, md: tokens(r.request_id, 3)
+    sink = Sink()
+    with trio.fail_after(5):
+        outcome = await supervisor.run(supervisor.admit(request()), sink)
+    assert outcome.kind == COMPLETED and outcome.code is None
+    assert len(sink.events) == 4
+    assert aborts(server) == []
+    assert supervisor.streams == {}
+
+
+async def test_cancel_closes_upstream_then_aborts_once(server: RunningServer, supervisor: StreamSupervisor) -> None:
+    gate = Gate()
+    server.engine.streams["Generate"] = lambda r, md: [tokens(r.request_id, 1)[0], gate]
+    got_one = trio.Event()
+
+    async def emit(ev: pb.GenerateResponse) -> None:
+        got_one.set()
+
+    with trio.fail_after(5):
+        handle = supervisor.admit(request())
+        async with trio.open_nursery() as nursery:
+            result: list[Any] = []
+
+            async def run() -> None:
+                result.append(await supervisor.run(handle, emit))
+
+            nursery.start_soon(run)
+            await got_one.wait()
+            handle.cancel(OUTCOME_CLIENT_CANCELLED)
+    assert result[0] == OUTCOME_CLIENT_CANCELLED
+    gen = next(s for s in server.engine.seen if s.route == "Generate")
+    assert gen.cancelled.is_set()  # upstream closed before the Abort was sent
+    assert aborts(server) == ["r1"]
+
+
+async def test_engine_error_is_relayed_and_not_aborted(server: RunningServer, supervisor: StreamSupervisor) -> None:
+    err = pb.EngineError(code=pb.ErrorCode.KV_TRANSFER_FAILED, message="x", retryable=True)
+    server.engine.streams["Generate"] = lambda r, md: [pb.GenerateResponse(request_id=r.request_id, error=err)]
+    sink = Sink()
+    with trio.fail_after(5):
+        outcome = await supervisor.run(supervisor.admit(request()), sink)
+    assert (outcome.kind, outcome.code, outcome.retryable) == (FAILED, pb.ErrorCode.KV_TRANSFER_FAILED, True)
+    assert sink.events[-1].error == err
+    assert aborts(server) == []
+
+
+async def test_status_before_acceptance_is_rejected_without_abort(
+    server: RunningServer, supervisor: StreamSupervisor
+) -> None:
+    server.engine.streams["Generate"] = lambda r, md: [status(Status.INVALID_ARGUMENT, "bad")]
+    with trio.fail_after(5):
+        outcome = await supervisor.run(supervisor.admit(request()), Sink())
+    assert (outcome.kind, outcome.code) == (REJECTED, pb.ErrorCode.INVALID_ARGUMENT)
+    assert aborts(server) == []
+
+
+async def test_protocol_violation_fails_and_aborts(server: RunningServer, supervisor: StreamSupervisor) -> None:
+    server.engine.streams["Generate"] = lambda r, md: tokens(r.request_id, 2)[:2]  # closes without terminal
+    with trio.fail_after(5):
+        outcome = await supervisor.run(supervisor.admit(request()), Sink())
+    assert outcome.kind == FAILED and "without a terminal" in outcome.message
+    assert aborts(server) == ["r1"]
+
+
+async def test_client_gone_cancels_and_aborts(server: RunningServer, supervisor: StreamSupervisor) -> None:
+    gate = Gate()
+    server.engine.streams["Generate"] = lambda r, md: [*tokens(r.request_id, 3)[:3], gate]
+    with trio.fail_after(5):
+        outcome = await supervisor.run(supervisor.admit(request()), Sink(gone_after=1))
+    assert outcome.kind == CANCELLED
+    assert aborts(server) == ["r1"]
+
+
+async def test_inactivity_timeout(server: RunningServer, supervisor: StreamSupervisor) -> None:
+    supervisor.config.inactivity_timeout = 0.2
+    gate = Gate()
+    server.engine.streams["Generate"] = lambda r, md: [tokens(r.request_id, 1)[0], gate]
+    with trio.fail_after(5):
+        outcome = await supervisor.run(supervisor.admit(request()), Sink())
+    assert outcome.kind == FAILED and outcome.retryable and "no event" in outcome.message
+    assert aborts(server) == ["r1"]
+
+
+async def test_abort_retried_on_unavailable(server: RunningServer, supervisor: StreamSupervisor) -> None:
+    calls = []
+
+    def abort(r: Any) -> Any:
+        calls.append(r.request_id)
+        if len(calls) < 3:
+            raise status(Status.UNAVAILABLE, "busy")
+        return pb.AbortResponse(status=pb.AbortStatus.ABORTED)
+
+    server.engine.unary["Abort"] = abort
+    with trio.fail_after(5):
+        await supervisor.abort("rX")
+        while len(calls) < 3:
+            await trio.sleep(0.01)
+    assert calls == ["rX", "rX", "rX"]
+
+
+@pytest.mark.parametrize("answer", ["not_found", "already_finished"])
+async def test_abort_idempotent_answers_count_as_done(
+    server: RunningServer, supervisor: StreamSupervisor, answer: str
+) -> None:
+    calls = []
+
+    def abort(r: Any) -> Any:
+        calls.append(r.request_id)
+        if answer == "not_found":
+            raise status(Status.NOT_FOUND, "gone")
+        return pb.AbortResponse(status=pb.AbortStatus.ALREADY_FINISHED)
+
+    server.engine.unary["Abort"] = abort
+    with trio.fail_after(5):
+        await supervisor.abort("rY")
+    assert calls == ["rY"]
+    assert supervisor._retry_nursery is not None and not supervisor._retry_nursery.child_tasks  # no retry queued
+
+
+async def test_admission_gates(supervisor: StreamSupervisor) -> None:
+    supervisor.admit(request("a"))
+    with pytest.raises(Rejection) as dup:
+        supervisor.admit(request("a"))
+    assert dup.value.code == pb.ErrorCode.DUPLICATE_REQUEST
+    empty = supervisor.admit(request(""))
+    assert empty.request_id.startswith("sc-")
+    supervisor.config.max_streams = 2
+    with pytest.raises(Rejection) as full:
+        supervisor.admit(request("b"))
+    assert full.value.code == pb.ErrorCode.OVERLOADED and full.value.retryable
+    supervisor.draining = True
+    with pytest.raises(Rejection) as draining:
+        supervisor.admit(request("c"))
+    assert draining.value.code == pb.ErrorCode.DRAINING and draining.value.retryable
