@@ -1,0 +1,369 @@
+"""The sidecar's core state and services: one engine, its worker card, its streams.
+
+:class:`Sidecar` is what the north planes talk to (``admit`` / ``run_stream`` / ``call``)
+and what the run command starts: :meth:`Sidecar.startup` (connect with retry until the
+startup deadline, negotiate, discover, wait for READY), then the long-lived services
+:meth:`watch_engine` (health; on loss: not ready, reconnect with backoff, rediscover, refuse
+to serve a changed engine) and :meth:`poll_load` (GetLoad every interval). Draining is
+:meth:`drain`. Readiness is :meth:`not_ready_reason` (``None`` = ready).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import trio
+
+from sidecar.core import metrics
+from sidecar.core.admission import admit as admit_request
+from sidecar.core.card import WorkerCard, with_loras
+from sidecar.core.discovery import compare_cards, discover, fetch_loras
+from sidecar.core.errors import DiscoveryError, Rejection
+from sidecar.core.lifecycle import CANCELLED, LifecycleConfig, Outcome, StreamHandle, StreamSupervisor
+from sidecar.openengine import pb
+from sidecar.openengine.client import EngineClient
+from sidecar.openengine.errors import EngineClientError, EngineStatusError
+
+log = logging.getLogger(__name__)
+
+OUTCOME_DRAIN_DEADLINE = Outcome(CANCELLED, pb.ErrorCode.DRAINING, "drain deadline reached", retryable=True)
+OUTCOME_SHUTDOWN = Outcome(CANCELLED, pb.ErrorCode.CANCELLED, "the sidecar is shutting down", retryable=True)
+
+_SERVING_HEALTH = {pb.HealthState.READY, pb.HealthState.DEGRADED}
+
+
+@dataclass
+class SidecarConfig:
+    """Engine-facing settings of ``run`` (see its ``--help``)."""
+
+    model: str | None = None
+    expected_engine: str | None = None
+    expected_release: str | None = None
+    startup_deadline: float = 300.0
+    health_interval: float = 1.0
+    load_interval: float = 1.0
+    load_stale_after: float = 5.0
+    call_timeout: float = 5.0
+    reconnect_initial: float = 0.1
+    reconnect_max: float = 5.0
+    drain_timeout: float = 20.0
+    drain_engine: bool = False
+    kv_publish_endpoints: list[str] = field(default_factory=list)
+    lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
+
+
+class StartupError(Exception):
+    """The sidecar cannot start serving (``str(err)`` is the one-line reason for the operator)."""
+
+
+class Sidecar:
+    """Core state of one sidecar (see module doc). Create, then ``startup()``, then services."""
+
+    def __init__(self, engine: EngineClient, config: SidecarConfig | None = None) -> None:
+        from sidecar.core.card import LoadTracker
+
+        self.engine = engine
+        self.config = config or SidecarConfig()
+        self.supervisor = StreamSupervisor(engine, self.config.lifecycle)
+        self.load = LoadTracker(stale_after=self.config.load_stale_after)
+        self.card: WorkerCard | None = None
+        self.engine_state: str = "unknown"  # health state name, or "unreachable"
+        self.problem: str | None = "starting"  # blocks serving when set
+        self._engine_lost = trio.Event()
+
+    # -- readiness -------------------------------------------------------------------------
+
+    @property
+    def draining(self) -> bool:
+        return self.supervisor.draining
+
+    def not_ready_reason(self) -> str | None:
+        """Why ``/ready`` is 503 (``None`` when ready)."""
+        if self.draining:
+            return "draining"
+        if self.problem is not None:
+            return self.problem
+        if self.card is None:
+            return "engine not discovered"
+        return None
+
+    def _set_problem(self, problem: str | None) -> None:
+        if problem != self.problem:
+            if problem is None:
+                log.info("ready: serving %s", self._engine_label())
+            else:
+                log.warning("not ready: %s", problem)
+        self.problem = problem
+        metrics.READY.set(1 if self.not_ready_reason() is None else 0)
+
+    def _engine_label(self) -> str:
+        if self.card is None:
+            return str(self.engine.address)
+        return f"{self.card.engine.name} {self.card.role} at {self.engine.address}"
+
+    def current_card(self) -> WorkerCard | None:
+        """The worker card with the latest load status folded in."""
+        if self.card is None:
+            return None
+        return msgspec.structs.replace(self.card, load=self.load.status(now=trio.current_time()))
+
+    # -- streams (the north planes' interface) ---------------------------------------------
+
+    def admit(self, request: pb.GenerateRequest, metadata: dict[str, str]) -> StreamHandle:
+        """Admission before the engine; raises :class:`Rejection`. See ``sidecar.core.admission``."""
+        if self.draining:
+            raise Rejection(pb.ErrorCode.DRAINING, "the sidecar is draining; send new work elsewhere", True)
+        reason = self.not_ready_reason()
+        if reason is not None or self.card is None:
+            raise Rejection(pb.ErrorCode.INTERNAL, f"engine not ready: {reason}", True)
+        admitted = admit_request(request, metadata, self.card)
+        return self.supervisor.admit(admitted.request, admitted.metadata_pairs)
+
+    async def run_stream(self, handle: StreamHandle, emit: Any) -> Outcome:
+        outcome = await self.supervisor.run(handle, emit)
+        if outcome.kind != CANCELLED and outcome.retryable and outcome.code == pb.ErrorCode.INTERNAL:
+            self._engine_lost.set()  # a transport failure: check the engine now, not at the next tick
+        return outcome
+
+    async def call(self, method: str, request: Any) -> Any:
+        """A unary ``call`` of the north protocol; raises :class:`Rejection` on failure."""
+        if method == "describe":
+            card = self.current_card()
+            if card is None:
+                raise Rejection(pb.ErrorCode.INTERNAL, "engine not discovered yet", True)
+            return card
+        if method == "load":
+            return self.load.status(now=trio.current_time())
+        if method == "health":
+            return {
+                "ready": self.not_ready_reason() is None,
+                "reason": self.not_ready_reason(),
+                "draining": self.draining,
+                "engineState": self.engine_state,
+                "activeStreams": len(self.supervisor.streams),
+            }
+        if method in ("listLoras", "loadLora", "unloadLora"):
+            return await self._lora_call(method, request)
+        raise Rejection(pb.ErrorCode.INVALID_ARGUMENT, f"unknown call method {method!r}")
+
+    async def _lora_call(self, method: str, request: Any) -> Any:
+        with trio.move_on_after(self.config.call_timeout) as scope:
+            try:
+                if method == "listLoras":
+                    return await self.engine.list_loras()
+                if method == "loadLora":
+                    _check_lora_adapter(request.adapter)
+                    reply: Any = await self.engine.load_lora(request)
+                else:
+                    if not request.lora_name:
+                        raise Rejection(pb.ErrorCode.INVALID_ARGUMENT, "lora_name must not be empty")
+                    reply = await self.engine.unload_lora(request)
+            except EngineClientError as err:
+                raise _call_rejection(err) from None
+            await self._refresh_loras()
+            return reply
+        assert scope.cancelled_caught
+        raise Rejection(pb.ErrorCode.INTERNAL, f"{method}: engine did not answer in time", True)
+
+    async def _refresh_loras(self) -> None:
+        if self.card is None:
+            return
+        adapters = await fetch_loras(self.engine)
+        self.card = with_loras(self.card, adapters)
+
+    # -- startup and the engine watch ------------------------------------------------------
+
+    async def startup(self) -> WorkerCard:
+        """Connect (retrying until ``startup_deadline``), negotiate, discover, wait for READY.
+
+        Raises :class:`StartupError` with a one-line reason (negotiation / discovery failures
+        fail closed at once; an unreachable or never-ready engine at the deadline).
+        """
+        cfg = self.config
+        deadline = trio.current_time() + cfg.startup_deadline
+        delay = cfg.reconnect_initial
+        last = "no attempt yet"
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                with trio.fail_after(max(0.1, min(cfg.call_timeout, deadline - trio.current_time()))):
+                    card = await self._discover()
+                    health = await self.engine.health()
+                self.card = card
+                self.engine_state = _health_name(health.state)
+                if health.state in _SERVING_HEALTH:
+                    self._set_problem(None)
+                    return card
+                last = f"engine health is {self.engine_state}"
+            except DiscoveryError as err:
+                raise StartupError(str(err)) from None
+            except (EngineClientError, trio.TooSlowError) as err:
+                last = str(err) or "engine did not answer in time"
+            remaining = deadline - trio.current_time()
+            if remaining <= 0:
+                raise StartupError(
+                    f"engine at {self.engine.address} not ready after {cfg.startup_deadline:g}s: {last}"
+                )
+            if attempt == 1 or attempt % 10 == 0:
+                log.info(
+                    "waiting for engine at %s (%s); retrying for %.0fs more",
+                    self.engine.address,
+                    last,
+                    remaining,
+                )
+            await trio.sleep(min(delay, remaining))
+            delay = min(delay * 2, cfg.reconnect_max)
+
+    async def _discover(self) -> WorkerCard:
+        card = await discover(
+            self.engine,
+            expected_engine=self.config.expected_engine,
+            expected_release=self.config.expected_release,
+            model=self.config.model,
+        )
+        return msgspec.structs.replace(card, kv_publish_endpoints=list(self.config.kv_publish_endpoints))
+
+    async def watch_engine(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Health every ``health_interval`` (or at once when a stream saw the engine fail).
+
+        On loss: not ready; reconnect with backoff; rediscover; serve again only when the
+        engine is the same (role, models, ranks, connector) — else stay not ready, with the
+        reason in the log and on ``/ready``.
+        """
+        task_status.started()
+        cfg = self.config
+        lost = False
+        delay = cfg.reconnect_initial
+        while True:
+            with trio.move_on_after(cfg.reconnect_max if lost else cfg.health_interval):
+                await self._engine_lost.wait()
+            self._engine_lost = trio.Event()
+            try:
+                with trio.fail_after(cfg.call_timeout):
+                    health = await self.engine.health()
+                    self.engine_state = _health_name(health.state)
+                    if lost or self.card is None:
+                        new = await self._discover()
+                        changes = compare_cards(self.card, new) if self.card is not None else []
+                        if changes:
+                            self._set_problem("engine changed since discovery: " + "; ".join(changes))
+                            continue
+                        self.card = msgspec.structs.replace(new, load=None)
+                        if lost:
+                            metrics.ENGINE_RECONNECTS.inc()
+                            log.info("engine at %s is back; rediscovered", self.engine.address)
+                        lost = False
+                        delay = cfg.reconnect_initial
+                if health.state in _SERVING_HEALTH:
+                    self._set_problem(None)
+                else:
+                    self._set_problem(f"engine health is {self.engine_state}")
+            except DiscoveryError as err:
+                self._set_problem(f"rediscovery failed: {err}")
+            except (EngineClientError, trio.TooSlowError) as err:
+                self.engine_state = "unreachable"
+                if not lost:
+                    log.warning("engine at %s lost: %s", self.engine.address, err or "no answer in time")
+                lost = True
+                self._set_problem(f"engine unreachable: {err or 'no answer in time'}")
+                await trio.sleep(delay)
+                delay = min(delay * 2, cfg.reconnect_max)
+
+    async def poll_load(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """GetLoad every ``load_interval``: errors are counted, the snapshot's age is kept."""
+        task_status.started()
+        while True:
+            try:
+                with trio.fail_after(self.config.call_timeout):
+                    info = await self.engine.get_load(include_per_rank=True)
+                self.load.record(info, now=trio.current_time())
+                _export_load(info)
+            except (EngineClientError, trio.TooSlowError) as err:
+                metrics.LOAD_POLL_ERRORS.inc()
+                self.load.record_error(str(err) or "GetLoad timed out")
+            await trio.sleep(self.config.load_interval)
+
+    # -- drain -----------------------------------------------------------------------------
+
+    async def drain(self) -> None:
+        """Refuse new work (DRAINING), let admitted streams finish within ``drain_timeout``,
+        then cancel (and abort) the rest. With ``drain_engine``, also ask the engine to drain."""
+        cfg = self.config
+        self.supervisor.draining = True
+        metrics.DRAINING.set(1)
+        metrics.READY.set(0)
+        active = len(self.supervisor.streams)
+        log.info("draining: %d stream(s) in flight, grace %.0fs", active, cfg.drain_timeout)
+        async with trio.open_nursery() as nursery:
+            if cfg.drain_engine:
+                nursery.start_soon(self._drain_engine)
+            with trio.move_on_after(cfg.drain_timeout):
+                await self.supervisor.wait_idle()
+            if self.supervisor.streams:
+                log.warning("drain deadline: cancelling %d stream(s)", len(self.supervisor.streams))
+                self.supervisor.cancel_all(OUTCOME_DRAIN_DEADLINE)
+                with trio.move_on_after(cfg.lifecycle.abort_timeout + 1):
+                    await self.supervisor.wait_idle()
+            nursery.cancel_scope.cancel()
+        log.info("drained")
+
+    async def _drain_engine(self) -> None:
+        request = pb.DrainRequest(
+            stop_accepting_new_requests=True,
+            deadline_ms=int(self.config.drain_timeout * 1000),
+            abort_after_deadline=True,
+        )
+        try:
+            async with self.engine.drain(request) as stream:
+                async for event in stream:
+                    log.info("engine drain: %s", _drain_state_name(event))
+        except EngineStatusError as err:
+            if err.status == "UNIMPLEMENTED":
+                log.info("engine has no Drain RPC; draining locally only")
+            else:
+                log.warning("engine drain failed: %s", err)
+        except EngineClientError as err:
+            log.warning("engine drain failed: %s", err)
+
+
+def _health_name(state: pb.HealthState) -> str:
+    return (state.proto_name if state.name else None) or "HEALTH_STATE_UNSPECIFIED"
+
+
+def _drain_state_name(event: pb.DrainResponse) -> str:
+    state = event.state if event.state is not None else pb.DrainState.UNSPECIFIED
+    name = (state.proto_name if state.name else None) or "DRAIN_STATE_UNSPECIFIED"
+    return f"{name} in_flight={event.in_flight_requests}"
+
+
+def _check_lora_adapter(adapter: pb.LoraAdapter | None) -> None:
+    """Schema rules checked before the engine: positive id, non-empty name, absolute normalized path."""
+    if adapter is None:
+        raise Rejection(pb.ErrorCode.INVALID_ARGUMENT, "adapter is required")
+    if adapter.lora_id <= 0:
+        raise Rejection(pb.ErrorCode.INVALID_ARGUMENT, "adapter.loraId must be positive")
+    if not adapter.lora_name:
+        raise Rejection(pb.ErrorCode.INVALID_ARGUMENT, "adapter.loraName must not be empty")
+    path = adapter.source_path
+    if not path.startswith("/") or os.path.normpath(path) != path:
+        raise Rejection(
+            pb.ErrorCode.INVALID_ARGUMENT, "adapter.sourcePath must be an absolute, normalized path"
+        )
+
+
+def _call_rejection(err: EngineClientError) -> Rejection:
+    code = err.code if err.code is not None else pb.ErrorCode.INTERNAL
+    if isinstance(err, EngineStatusError) and err.status == "NOT_FOUND":
+        code = pb.ErrorCode.REQUEST_NOT_FOUND
+    return Rejection(code, str(err), err.retryable)
+
+
+def _export_load(info: pb.LoadInfo) -> None:
+    from sidecar.core import load_metrics
+
+    load_metrics.export(info)

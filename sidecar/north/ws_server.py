@@ -1,0 +1,283 @@
+"""The WebSocket plane: north protocol v1 on ``/v1/ws`` (ARCHITECTURE.md, docs/PROTOCOL.md).
+
+Per connection, one nursery holds a reader (this task), a single writer (the only task that
+touches the socket's send side, fed by a bounded channel) and one task per admitted stream.
+A client that stops reading fills the channel; stream tasks then block (back-pressure reaches
+the engine through HTTP/2 flow control); one still blocked after ``stall_timeout`` gets the
+connection closed (1008) and its streams cancelled and aborted. A connection that closes for
+any reason cancels its streams; every admitted stream still gets its upstream closed and its
+Abort sent by :class:`~sidecar.core.lifecycle.StreamSupervisor`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import trio
+from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, serve_websocket
+
+from sidecar.core import metrics
+from sidecar.core.errors import Rejection
+from sidecar.core.lifecycle import (
+    OUTCOME_CLIENT_CANCELLED,
+    OUTCOME_CLIENT_GONE,
+    ClientGone,
+    Outcome,
+    StreamHandle,
+)
+from sidecar.north import codec
+from sidecar.north.codec import Encoding
+from sidecar.openengine import pb
+
+log = logging.getLogger(__name__)
+
+WS_PATH = "/v1/ws"
+CLOSE_UNDECODABLE = 1007
+CLOSE_POLICY = 1008
+
+
+class StreamHost(Protocol):
+    """What the WebSocket plane needs from the core (implemented by ``sidecar.core.sidecar.Sidecar``)."""
+
+    def admit(self, request: pb.GenerateRequest, metadata: dict[str, str]) -> StreamHandle:
+        """Admission before the engine: raise Rejection, or register and return the stream."""
+        ...
+
+    async def run_stream(
+        self, handle: StreamHandle, emit: Callable[[pb.GenerateResponse], Awaitable[None]]
+    ) -> Outcome: ...
+
+    async def call(self, method: str, request: Any) -> Any:
+        """A unary ``call``: returns the result body (dict or pb message) or raises Rejection."""
+        ...
+
+
+@dataclass
+class WsConfig:
+    """Limits of the WebSocket plane (CLI flags of ``run``)."""
+
+    max_message_size: int = 4 * 1024 * 1024
+    max_streams_per_connection: int = 1024
+    out_buffer: int = 256
+    stall_timeout: float = 30.0
+    message_queue_size: int = 16
+    auth_token: str | None = None
+
+
+class Connection:
+    """One client connection: reader, single writer, per-stream tasks (see module doc)."""
+
+    def __init__(self, ws: WebSocketConnection, host: StreamHost, config: WsConfig) -> None:
+        self.ws = ws
+        self.host = host
+        self.config = config
+        self.out_send, self.out_recv = trio.open_memory_channel[str | bytes](config.out_buffer)
+        self.streams: dict[str | int, StreamHandle] = {}
+        self.closed = False
+        self._scope = trio.CancelScope()
+
+    async def serve(self) -> None:
+        metrics.CONNECTIONS.inc()
+        try:
+            with self._scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._writer)
+                    async with trio.open_nursery() as stream_nursery:
+                        try:
+                            await self._reader(stream_nursery)
+                        finally:
+                            self.closed = True
+                            for handle in self.streams.values():
+                                handle.cancel(OUTCOME_CLIENT_GONE)
+                    nursery.cancel_scope.cancel()
+        finally:
+            self.closed = True
+            metrics.CONNECTIONS.dec()
+            with trio.move_on_after(1) as cleanup:
+                cleanup.shield = True
+                await self.ws.aclose()
+
+    # -- sending ---------------------------------------------------------------------------
+
+    async def _writer(self) -> None:
+        try:
+            async for frame in self.out_recv:
+                await self.ws.send_message(frame)
+        except ConnectionClosed:
+            pass
+        finally:
+            self.closed = True
+            self._scope.cancel()
+
+    async def send(self, frame: str | bytes) -> None:
+        """Queue a frame; raise ClientGone if the client left or stayed stuck past stall_timeout."""
+        if self.closed:
+            raise ClientGone
+        try:
+            self.out_send.send_nowait(frame)
+            return
+        except trio.WouldBlock:
+            pass
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise ClientGone from None
+        with trio.move_on_after(self.config.stall_timeout) as stall:
+            try:
+                await self.out_send.send(frame)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                raise ClientGone from None
+        if stall.cancelled_caught:
+            log.warning(
+                "client %s stalled for %.0fs: disconnecting", self.ws.remote, self.config.stall_timeout
+            )
+            await self._close(CLOSE_POLICY, "client stalled")
+            raise ClientGone
+
+    async def send_final(self, frame: str | bytes) -> None:
+        """Send an ``end``/``result``: never raises; dropped when the client is gone."""
+        try:
+            await self.send(frame)
+        except ClientGone:
+            pass
+
+    async def _close(self, code: int, reason: str) -> None:
+        self.closed = True
+        with trio.move_on_after(1) as scope:
+            scope.shield = True
+            await self.ws.aclose(code, reason)
+        self._scope.cancel()
+
+    # -- receiving -------------------------------------------------------------------------
+
+    async def _reader(self, stream_nursery: trio.Nursery) -> None:
+        while True:
+            try:
+                frame = await self.ws.get_message()
+            except ConnectionClosed:
+                return
+            try:
+                cmd = codec.decode_frame(frame)
+            except codec.FrameDecodeError as err:
+                metrics.PROTOCOL_ERRORS.inc()
+                await self._close(CLOSE_UNDECODABLE, str(err)[:120])
+                return
+            except codec.ProtocolError as err:
+                metrics.PROTOCOL_ERRORS.inc()
+                enc = Encoding.JSON if isinstance(frame, str) else Encoding.MSGPACK
+                await self.send_final(codec.encode(codec.error_reply(err), enc))
+                continue
+            if isinstance(cmd, codec.GenerateCommand):
+                await self._generate(cmd, stream_nursery)
+            elif isinstance(cmd, codec.CancelCommand):
+                handle = self.streams.get(cmd.stream)
+                if handle is not None:
+                    handle.cancel(OUTCOME_CLIENT_CANCELLED)
+                # cancel of an unknown or finished stream: nothing to do (idempotent, documented)
+            else:
+                stream_nursery.start_soon(self._call, cmd)
+
+    async def _reject(self, cmd: codec.GenerateCommand, rejection: Rejection) -> None:
+        outcome = Outcome.from_rejection(rejection)
+        metrics.STREAMS.labels(outcome.kind, rejection.code_name).inc()
+        await self.send_final(self._end_frame(cmd.stream, outcome, cmd.encoding))
+
+    async def _generate(self, cmd: codec.GenerateCommand, nursery: trio.Nursery) -> None:
+        if cmd.stream in self.streams:
+            await self._reject(
+                cmd, Rejection(pb.ErrorCode.INVALID_ARGUMENT, f"stream {cmd.stream!r} is already open")
+            )
+            return
+        if len(self.streams) >= self.config.max_streams_per_connection:
+            limit = self.config.max_streams_per_connection
+            await self._reject(
+                cmd, Rejection(pb.ErrorCode.OVERLOADED, f"at most {limit} open streams per connection", True)
+            )
+            return
+        try:
+            handle = self.host.admit(cmd.request, cmd.metadata)
+        except Rejection as rejection:
+            await self._reject(cmd, rejection)
+            return
+        cmd.request = handle.request  # admitted (request_id filled, names resolved)
+        handle.request = codec.engine_request(cmd)  # + client kvSessionBytes, byte for byte
+        self.streams[cmd.stream] = handle
+        nursery.start_soon(self._run_stream, cmd.stream, cmd.encoding, handle)
+
+    async def _run_stream(self, stream_id: str | int, encoding: Encoding, handle: StreamHandle) -> None:
+        encoder = codec.EventEncoder(stream_id, encoding)
+        send = self.send
+
+        async def emit(ev: pb.GenerateResponse) -> None:
+            await send(encoder.encode(ev))
+
+        try:
+            outcome = await self.host.run_stream(handle, emit)
+        finally:
+            del self.streams[stream_id]
+        await self.send_final(self._end_frame(stream_id, outcome, encoding))
+
+    @staticmethod
+    def _end_frame(stream_id: str | int, outcome: Outcome, encoding: Encoding) -> str | bytes:
+        error = None
+        if outcome.code is not None:
+            error = codec.error_body(outcome.code, outcome.message, outcome.retryable)
+        return codec.encode(codec.end_message(stream_id, outcome.kind, error), encoding)
+
+    async def _call(self, cmd: codec.CallCommand) -> None:
+        try:
+            body = await self.host.call(cmd.method, cmd.request)
+            reply: Any = codec.result_ok(cmd.call, body)
+        except Rejection as rejection:
+            reply = codec.result_error(
+                cmd.call, codec.error_body(rejection.code, rejection.message, rejection.retryable)
+            )
+        await self.send_final(codec.encode(reply, cmd.encoding))
+
+
+async def serve_north(
+    host: StreamHost,
+    listen_host: str,
+    listen_port: int,
+    config: WsConfig | None = None,
+    *,
+    ssl_context: Any = None,
+    task_status: Any = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the WebSocket plane until cancelled; ``task_status.started(port)`` once listening."""
+    cfg = config or WsConfig()
+
+    async def handler(request: WebSocketRequest) -> None:
+        if request.path.split("?", 1)[0] != WS_PATH:
+            await request.reject(404, body=b"not found: the north protocol lives at /v1/ws\n")
+            return
+        if cfg.auth_token is not None and not _authorized(request, cfg.auth_token):
+            await request.reject(401)
+            return
+        ws = await request.accept()
+        await Connection(ws, host, cfg).serve()
+
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(
+            lambda task_status: serve_websocket(
+                handler,
+                listen_host,
+                listen_port,
+                ssl_context,
+                max_message_size=cfg.max_message_size,
+                message_queue_size=cfg.message_queue_size,
+                task_status=task_status,
+            )
+        )
+        task_status.started(server.port)
+
+
+def _authorized(request: WebSocketRequest, token: str) -> bool:
+    import hmac
+
+    expected = f"Bearer {token}".encode()
+    for name, value in request.headers:
+        if name.lower() == b"authorization":
+            return hmac.compare_digest(value, expected)
+    return False

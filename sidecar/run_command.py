@@ -1,0 +1,224 @@
+"""``openengine-sidecar run``: serve one engine (the task tree of ARCHITECTURE.md).
+
+    trio.run(main)
+    └─ trio_asyncio loop (grpclib lives there, nowhere else)
+       └─ root nursery: stream supervisor (Abort retries), engine watch, load poller,
+          HTTP, WebSocket plane, drain supervisor (signals)
+
+SIGTERM/SIGINT: drain (``/ready`` 503, new work DRAINING, admitted streams finish within
+``--drain-timeout``, the rest cancelled and aborted), then exit 0. A second signal cancels
+everything at once (aborts are still sent, bounded). Startup failures exit 1 with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import click
+import trio
+import trio_asyncio
+
+from sidecar.cli_options import option
+from sidecar.core.lifecycle import LifecycleConfig
+from sidecar.core.sidecar import OUTCOME_SHUTDOWN, Sidecar, SidecarConfig, StartupError
+from sidecar.north.http import build_app, serve_http
+from sidecar.north.ws_server import WS_PATH, WsConfig, serve_north
+from sidecar.openengine.client import open_engine_client
+from sidecar.openengine.errors import EngineConfigError
+
+log = logging.getLogger("sidecar.run")
+
+
+def split_host_port(text: str, flag: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise click.BadParameter(f"{text!r}: expected HOST:PORT", param_hint=flag)
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+async def serve(
+    engine: str,
+    config: SidecarConfig,
+    ws: WsConfig,
+    listen: tuple[str, int],
+    http_listen: str,
+    *,
+    ready_file: Path | None = None,
+    task_status: Any = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run the sidecar until drained; ``task_status.started(dict of bound addresses)``."""
+    async with trio_asyncio.open_loop(), open_engine_client(engine) as client:
+        sidecar = Sidecar(client, config)
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            card = await sidecar.startup()
+            async with trio.open_nursery() as root:
+                await root.start(sidecar.supervisor.run_service)
+                log.info(
+                    "engine %s %s (%s), schema revision %d, release %s; models: %s",
+                    card.engine.name,
+                    card.engine.version,
+                    card.role,
+                    card.schema.revision,
+                    card.schema.release,
+                    ", ".join(card.served_model_names),
+                )
+                await root.start(sidecar.watch_engine)
+                await root.start(sidecar.poll_load)
+                http_port = await root.start(
+                    serve_http, build_app(sidecar, auth_token=ws.auth_token), http_listen
+                )
+                ws_port = await root.start(serve_north, sidecar, listen[0], listen[1], ws)
+                bound = {
+                    "ws": f"ws://{_hostport(listen[0], ws_port)}{WS_PATH}",
+                    "http": f"http://{_hostport(http_listen.rpartition(':')[0] or '127.0.0.1', http_port)}",
+                }
+                log.info("serving %s and %s", bound["ws"], bound["http"])
+                if ready_file is not None:
+                    await trio.Path(ready_file).write_text(json.dumps(bound))
+                task_status.started(bound)
+                await _drain_on_signal(sidecar, signals, root)
+    log.info("exited cleanly")
+
+
+def _hostport(host: str, port: int) -> str:
+    host = host.strip("[]")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def _drain_on_signal(sidecar: Sidecar, signals: Any, root: trio.Nursery) -> None:
+    signum = await signals.__anext__()
+    log.info("%s: draining (a second signal stops at once)", signal.Signals(signum).name)
+    async with trio.open_nursery() as nursery:
+
+        async def second_signal() -> None:
+            sig = await signals.__anext__()
+            log.warning("%s again: cancelling every stream now", signal.Signals(sig).name)
+            sidecar.supervisor.cancel_all(OUTCOME_SHUTDOWN)
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(second_signal)
+        await sidecar.drain()
+        nursery.cancel_scope.cancel()
+    with trio.move_on_after(sidecar.config.lifecycle.abort_timeout + 1):
+        await sidecar.supervisor.wait_idle()
+    root.cancel_scope.cancel()
+
+
+@click.command("run")
+@option("--engine", required=True, help="Engine address: host:port, http://host:port or unix:///path.")
+@option("--listen", default="127.0.0.1:8600", show_default=True, help="WebSocket listener (north protocol).")
+@option("--http-listen", default="127.0.0.1:8601", show_default=True, help="HTTP health/ready/metrics.")
+@option("--model", default=None, help="Serve only this model (served name or alias).")
+@option("--expected-engine", default=None, help="Refuse to start unless the engine reports this name.")
+@option(
+    "--expected-schema-release", default=None, help="Refuse to start unless the engine reports this release."
+)
+@option(
+    "--startup-deadline", type=float, default=300.0, show_default=True, help="Seconds to wait for the engine."
+)
+@option("--drain-timeout", type=float, default=20.0, show_default=True, help="Grace for admitted streams.")
+@option(
+    "--drain-engine/--no-drain-engine", default=False, show_default=True, help="Also call the engine's Drain."
+)
+@option("--health-interval", type=float, default=1.0, show_default=True)
+@option("--load-interval", type=float, default=1.0, show_default=True, help="GetLoad polling interval.")
+@option(
+    "--inactivity-timeout",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Fail a stream with no engine event for this long (0: never).",
+)
+@option("--abort-timeout", type=float, default=2.0, show_default=True, help="Bound of one Abort attempt.")
+@option(
+    "--abort-retry-window",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help="How long failed Aborts are retried.",
+)
+@option("--max-streams", type=int, default=4096, show_default=True, help="Admitted streams per sidecar.")
+@option("--max-streams-per-connection", type=int, default=1024, show_default=True)
+@option(
+    "--stall-timeout",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help="Disconnect a client that reads nothing for this long.",
+)
+@option(
+    "--max-message-size",
+    type=int,
+    default=4 * 1024 * 1024,
+    show_default=True,
+    help="Largest WebSocket message.",
+)
+@option(
+    "--auth-token-file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Require this bearer token.",
+)
+@option(
+    "--ready-file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the bound addresses here (JSON) once ready.",
+)
+def run(**opts: Any) -> None:
+    """Serve one OpenEngine engine to routers and frontends."""
+    listen = split_host_port(opts["listen"], "--listen")
+    split_host_port(opts["http_listen"], "--http-listen")
+    token = None
+    if opts["auth_token_file"]:
+        token = Path(opts["auth_token_file"]).read_text().strip()
+        if not token:
+            raise click.BadParameter("the token file is empty", param_hint="--auth-token-file")
+    config = SidecarConfig(
+        model=opts["model"],
+        expected_engine=opts["expected_engine"],
+        expected_release=opts["expected_schema_release"],
+        startup_deadline=opts["startup_deadline"],
+        drain_timeout=opts["drain_timeout"],
+        drain_engine=opts["drain_engine"],
+        health_interval=opts["health_interval"],
+        load_interval=opts["load_interval"],
+        lifecycle=LifecycleConfig(
+            abort_timeout=opts["abort_timeout"],
+            abort_retry_window=opts["abort_retry_window"],
+            inactivity_timeout=opts["inactivity_timeout"],
+            max_streams=opts["max_streams"],
+        ),
+    )
+    ws = WsConfig(
+        max_message_size=opts["max_message_size"],
+        max_streams_per_connection=opts["max_streams_per_connection"],
+        stall_timeout=opts["stall_timeout"],
+        auth_token=token,
+    )
+    ready_file = Path(opts["ready_file"]) if opts["ready_file"] else None
+    try:
+        trio.run(
+            partial(serve, opts["engine"], config, ws, listen, opts["http_listen"], ready_file=ready_file)
+        )
+    except (StartupError, EngineConfigError, BaseExceptionGroup) as err:
+        leaf = _lone_leaf(err)
+        if isinstance(leaf, EngineConfigError):
+            raise click.BadParameter(str(leaf), param_hint="--engine") from None
+        if isinstance(leaf, StartupError):
+            click.echo(f"openengine-sidecar: {leaf}", err=True)
+            sys.exit(1)
+        raise
+
+
+def _lone_leaf(exc: BaseException) -> BaseException:
+    """The single exception inside (possibly nested) one-member exception groups."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
