@@ -28,7 +28,7 @@ from sidecar.cli_options import option
 from sidecar.core.lifecycle import LifecycleConfig
 from sidecar.core.sidecar import OUTCOME_SHUTDOWN, Sidecar, SidecarConfig, StartupError
 from sidecar.north.http import build_app, serve_http
-from sidecar.north.ws_server import WS_PATH, WsConfig, serve_north
+from sidecar.north.ws_server import WS_PATH, NorthPlane, WsConfig
 from sidecar.openengine.client import open_engine_client
 from sidecar.openengine.errors import EngineConfigError
 
@@ -73,7 +73,8 @@ async def serve(
                 http_port = await root.start(
                     serve_http, build_app(sidecar, auth_token=ws.auth_token), http_listen
                 )
-                ws_port = await root.start(serve_north, sidecar, listen[0], listen[1], ws)
+                north = NorthPlane(sidecar, ws)
+                ws_port = await root.start(north.serve, listen[0], listen[1])
                 bound = {
                     "ws": f"ws://{_hostport(listen[0], ws_port)}{WS_PATH}",
                     "http": f"http://{_hostport(http_listen.rpartition(':')[0] or '127.0.0.1', http_port)}",
@@ -82,7 +83,9 @@ async def serve(
                 if ready_file is not None:
                     await trio.Path(ready_file).write_text(json.dumps(bound))
                 task_status.started(bound)
-                await _drain_on_signal(sidecar, signals, root)
+                await _drain_on_signal(sidecar, signals)
+                await north.close_gracefully()
+                root.cancel_scope.cancel()
     log.info("exited cleanly")
 
 
@@ -91,7 +94,7 @@ def _hostport(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-async def _drain_on_signal(sidecar: Sidecar, signals: Any, root: trio.Nursery) -> None:
+async def _drain_on_signal(sidecar: Sidecar, signals: Any) -> None:
     signum = await signals.__anext__()
     log.info("%s: draining (a second signal stops at once)", signal.Signals(signum).name)
     async with trio.open_nursery() as nursery:
@@ -107,7 +110,6 @@ async def _drain_on_signal(sidecar: Sidecar, signals: Any, root: trio.Nursery) -
         nursery.cancel_scope.cancel()
     with trio.move_on_after(sidecar.config.lifecycle.abort_timeout + 1):
         await sidecar.supervisor.wait_idle()
-    root.cancel_scope.cancel()
 
 
 @click.command("run")

@@ -78,6 +78,10 @@ class Connection:
         self.streams: dict[str | int, StreamHandle] = {}
         self.closed = False
         self._scope = trio.CancelScope()
+        self._writer_done = trio.Event()
+        self._running = 0  # stream tasks that have not queued their end yet
+        self._all_ended = trio.Event()
+        self._all_ended.set()
 
     async def serve(self) -> None:
         metrics.CONNECTIONS.inc()
@@ -110,6 +114,7 @@ class Connection:
             pass
         finally:
             self.closed = True
+            self._writer_done.set()
             self._scope.cancel()
 
     async def send(self, frame: str | bytes) -> None:
@@ -141,6 +146,14 @@ class Connection:
             await self.send(frame)
         except ClientGone:
             pass
+
+    async def finish(self) -> None:
+        """Graceful end (the sidecar is exiting): send what is queued, then close with 1001."""
+        while self._running:
+            await self._all_ended.wait()
+        self.out_send.close()  # the writer sends the rest, then stops
+        await self._writer_done.wait()
+        await self._close(1001, "sidecar shutting down")
 
     async def _close(self, code: int, reason: str) -> None:
         self.closed = True
@@ -203,6 +216,8 @@ class Connection:
         cmd.request = handle.request  # admitted (request_id filled, names resolved)
         handle.request = codec.engine_request(cmd)  # + client kvSessionBytes, byte for byte
         self.streams[cmd.stream] = handle
+        self._running += 1
+        self._all_ended = trio.Event() if self._all_ended.is_set() else self._all_ended
         nursery.start_soon(self._run_stream, cmd.stream, cmd.encoding, handle)
 
     async def _run_stream(self, stream_id: str | int, encoding: Encoding, handle: StreamHandle) -> None:
@@ -213,10 +228,15 @@ class Connection:
             await send(encoder.encode(ev))
 
         try:
-            outcome = await self.host.run_stream(handle, emit)
+            try:
+                outcome = await self.host.run_stream(handle, emit)
+            finally:
+                del self.streams[stream_id]
+            await self.send_final(self._end_frame(stream_id, outcome, encoding))
         finally:
-            del self.streams[stream_id]
-        await self.send_final(self._end_frame(stream_id, outcome, encoding))
+            self._running -= 1
+            if not self._running:
+                self._all_ended.set()
 
     @staticmethod
     def _end_frame(stream_id: str | int, outcome: Outcome, encoding: Encoding) -> str | bytes:
@@ -236,41 +256,60 @@ class Connection:
         await self.send_final(codec.encode(reply, cmd.encoding))
 
 
-async def serve_north(
-    host: StreamHost,
-    listen_host: str,
-    listen_port: int,
-    config: WsConfig | None = None,
-    *,
-    ssl_context: Any = None,
-    task_status: Any = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Serve the WebSocket plane until cancelled; ``task_status.started(port)`` once listening."""
-    cfg = config or WsConfig()
+class NorthPlane:
+    """The WebSocket listener and its open connections.
 
-    async def handler(request: WebSocketRequest) -> None:
-        if request.path.split("?", 1)[0] != WS_PATH:
-            await request.reject(404, body=b"not found: the north protocol lives at /v1/ws\n")
-            return
-        if cfg.auth_token is not None and not _authorized(request, cfg.auth_token):
-            await request.reject(401)
-            return
-        ws = await request.accept()
-        await Connection(ws, host, cfg).serve()
+    ``serve`` accepts connections until cancelled; ``close_gracefully`` (after a drain) lets
+    every connection flush what it queued — the last ``end`` frames — then closes it (1001).
+    """
 
-    async with trio.open_nursery() as nursery:
-        server = await nursery.start(
-            lambda task_status: serve_websocket(
-                handler,
-                listen_host,
-                listen_port,
-                ssl_context,
-                max_message_size=cfg.max_message_size,
-                message_queue_size=cfg.message_queue_size,
-                task_status=task_status,
+    def __init__(self, host: StreamHost, config: WsConfig | None = None, *, ssl_context: Any = None) -> None:
+        self.host = host
+        self.config = config or WsConfig()
+        self.ssl_context = ssl_context
+        self.connections: set[Connection] = set()
+
+    async def serve(
+        self, listen_host: str, listen_port: int, *, task_status: Any = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Serve until cancelled; ``task_status.started(port)`` once listening."""
+        cfg = self.config
+
+        async def handler(request: WebSocketRequest) -> None:
+            if request.path.split("?", 1)[0] != WS_PATH:
+                await request.reject(404, body=b"not found: the north protocol lives at /v1/ws\n")
+                return
+            if cfg.auth_token is not None and not _authorized(request, cfg.auth_token):
+                await request.reject(401)
+                return
+            ws = await request.accept()
+            conn = Connection(ws, self.host, cfg)
+            self.connections.add(conn)
+            try:
+                await conn.serve()
+            finally:
+                self.connections.discard(conn)
+
+        async with trio.open_nursery() as nursery:
+            server = await nursery.start(
+                lambda task_status: serve_websocket(
+                    handler,
+                    listen_host,
+                    listen_port,
+                    self.ssl_context,
+                    max_message_size=cfg.max_message_size,
+                    message_queue_size=cfg.message_queue_size,
+                    task_status=task_status,
+                )
             )
-        )
-        task_status.started(server.port)
+            task_status.started(server.port)
+
+    async def close_gracefully(self, timeout: float = 2.0) -> None:
+        """Flush every connection's queued frames, then close it with 1001 (going away)."""
+        with trio.move_on_after(timeout):
+            async with trio.open_nursery() as nursery:
+                for conn in list(self.connections):
+                    nursery.start_soon(conn.finish)
 
 
 def _authorized(request: WebSocketRequest, token: str) -> bool:

@@ -71,7 +71,9 @@ async def test_completed_stream_sends_no_abort(server: RunningServer, supervisor
     assert supervisor.streams == {}
 
 
-async def test_cancel_closes_upstream_then_aborts_once(server: RunningServer, supervisor: StreamSupervisor) -> None:
+async def test_cancel_closes_upstream_then_aborts_once(
+    server: RunningServer, supervisor: StreamSupervisor
+) -> None:
     gate = Gate()
     server.engine.streams["Generate"] = lambda r, md: [tokens(r.request_id, 1)[0], gate]
     got_one = trio.Event()
@@ -96,9 +98,13 @@ async def test_cancel_closes_upstream_then_aborts_once(server: RunningServer, su
     assert aborts(server) == ["r1"]
 
 
-async def test_engine_error_is_relayed_and_not_aborted(server: RunningServer, supervisor: StreamSupervisor) -> None:
+async def test_engine_error_is_relayed_and_not_aborted(
+    server: RunningServer, supervisor: StreamSupervisor
+) -> None:
     err = pb.EngineError(code=pb.ErrorCode.KV_TRANSFER_FAILED, message="x", retryable=True)
-    server.engine.streams["Generate"] = lambda r, md: [pb.GenerateResponse(request_id=r.request_id, error=err)]
+    server.engine.streams["Generate"] = lambda r, md: [
+        pb.GenerateResponse(request_id=r.request_id, error=err)
+    ]
     sink = Sink()
     with trio.fail_after(5):
         outcome = await supervisor.run(supervisor.admit(request()), sink)
@@ -117,7 +123,9 @@ async def test_status_before_acceptance_is_rejected_without_abort(
     assert aborts(server) == []
 
 
-async def test_protocol_violation_fails_and_aborts(server: RunningServer, supervisor: StreamSupervisor) -> None:
+async def test_protocol_violation_fails_and_aborts(
+    server: RunningServer, supervisor: StreamSupervisor
+) -> None:
     server.engine.streams["Generate"] = lambda r, md: tokens(r.request_id, 2)[:2]  # closes without terminal
     with trio.fail_after(5):
         outcome = await supervisor.run(supervisor.admit(request()), Sink())
@@ -156,7 +164,7 @@ async def test_abort_retried_on_unavailable(server: RunningServer, supervisor: S
     server.engine.unary["Abort"] = abort
     with trio.fail_after(5):
         await supervisor.abort("rX")
-        while len(calls) < 3:
+        while len(calls) < 3:  # noqa: ASYNC110 - the retrier runs on its own schedule
             await trio.sleep(0.01)
     assert calls == ["rX", "rX", "rX"]
 
@@ -177,7 +185,9 @@ async def test_abort_idempotent_answers_count_as_done(
     with trio.fail_after(5):
         await supervisor.abort("rY")
     assert calls == ["rY"]
-    assert supervisor._retry_nursery is not None and not supervisor._retry_nursery.child_tasks  # no retry queued
+    assert (
+        supervisor._retry_nursery is not None and not supervisor._retry_nursery.child_tasks
+    )  # no retry queued
 
 
 async def test_admission_gates(supervisor: StreamSupervisor) -> None:

@@ -1,0 +1,179 @@
+"""``openengine-sidecar generate`` (and the ``disagg`` placeholder): CLI clients of a running sidecar."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Any, TextIO
+
+import click
+import msgspec
+import trio
+
+from sidecar.cli_options import option
+from sidecar.client.sidecar_client import SidecarConnectionError, SidecarStream, open_sidecar
+from sidecar.north import wire
+
+#: Exit status after a Ctrl-C that cancelled the stream (128 + SIGINT, as shells report it).
+EXIT_INTERRUPTED = 130
+
+_encode_json = msgspec.json.Encoder().encode
+
+
+async def _cancel_on_sigint(stream: SidecarStream, err: TextIO, interrupted: list[bool]) -> None:
+    """First Ctrl-C: send ``cancel`` and let the stream run to its ``end``; second: exit at once."""
+    with trio.open_signal_receiver(signal.SIGINT) as signals:
+        async for _ in signals:
+            if interrupted:
+                err.write("interrupted again: exiting without waiting for the end\n")
+                err.flush()
+                os._exit(EXIT_INTERRUPTED)
+            interrupted.append(True)
+            err.write("cancelling… (Ctrl-C again to exit at once)\n")
+            err.flush()
+            try:
+                await stream.cancel()
+            except SidecarConnectionError:
+                return
+
+
+async def run_generate(
+    url: str,
+    prompt: str,
+    *,
+    max_tokens: int | None = None,
+    model: str | None = None,
+    as_json: bool = False,
+    encoding: str = "json",
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+    handle_sigint: bool = True,
+    cancel_timeout: float = 10.0,
+    auth_token: str | None = None,
+) -> int:
+    """Stream one completion to ``out``; return the exit status (0 completed, 1 failed / rejected /
+    connection error, 130 cancelled by Ctrl-C). Errors are printed to ``err``."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    request: dict[str, Any] = {"prompt": prompt}
+    if model:
+        request["model"] = model
+    if max_tokens is not None:
+        request["stopping"] = {"maxTokens": max_tokens}
+    interrupted: list[bool] = []
+    wrote_text = ""
+    lost: SidecarConnectionError | None = None
+    try:
+        async with (
+            open_sidecar(url, encoding=encoding, cancel_timeout=cancel_timeout, auth_token=auth_token) as sc,
+            sc.generate(request) as stream,
+            trio.open_nursery() as nursery,
+        ):
+            if handle_sigint:
+                nursery.start_soon(_cancel_on_sigint, stream, err, interrupted)
+            try:
+                async for event in stream:
+                    if as_json:
+                        out.write(_encode_json(event).decode() + "\n")
+                    elif event.response.token is not None and event.response.token.text:
+                        wrote_text = event.response.token.text
+                        out.write(wrote_text)
+                    out.flush()
+            except SidecarConnectionError as error:
+                lost = error  # kept out of the nursery: no exception group
+            nursery.cancel_scope.cancel(reason="stream ended")
+    except SidecarConnectionError as error:  # connecting, or sending the request
+        lost = error
+    if lost is not None:
+        if wrote_text and not wrote_text.endswith("\n"):
+            out.write("\n")
+        err.write(f"error: {lost}\n")
+        return 1
+    end = stream.end
+    assert end is not None
+    if as_json:
+        out.write(_encode_json(end).decode() + "\n")
+    elif wrote_text and not wrote_text.endswith("\n"):
+        out.write("\n")
+    out.flush()
+    if end.outcome == "completed":
+        return 0
+    err.write(f"{end.outcome}: {_describe(end.error)}\n")
+    if end.outcome == "cancelled" and interrupted:
+        return EXIT_INTERRUPTED
+    return 1
+
+
+def _describe(error: wire.ErrorBody | None) -> str:
+    if error is None:
+        return "no error details"
+    retry = " (retryable)" if error.retryable else ""
+    return f"{error.code}: {error.message}{retry}"
+
+
+@click.command("generate")
+@click.argument("prompt")
+@option(
+    "--sidecar",
+    "sidecar_url",
+    default="ws://127.0.0.1:8600",
+    show_default=True,
+    help="Sidecar WebSocket URL (ws:// or wss://; /v1/ws is added when the URL has no path).",
+)
+@option("--max-tokens", type=click.IntRange(min=1), default=None, help="Stop after this many tokens.")
+@option("--model", default=None, help="Served model name or alias (default: the sidecar's model).")
+@option("--json", "as_json", is_flag=True, help="Print each event and the end as JSON lines.")
+@option(
+    "--encoding",
+    type=click.Choice(["json", "msgpack"]),
+    default="json",
+    show_default=True,
+    help="Frame encoding on the WebSocket.",
+)
+@option(
+    "--auth-token-file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="File holding the sidecar's bearer token (for a sidecar run with --auth-token-file).",
+)
+def generate(
+    prompt: str,
+    sidecar_url: str,
+    max_tokens: int | None,
+    model: str | None,
+    as_json: bool,
+    encoding: str,
+    auth_token_file: str | None,
+) -> None:
+    """Stream a completion of PROMPT from a running sidecar.
+
+    Text goes to stdout as it arrives. Ctrl-C cancels the request and waits for the sidecar
+    to confirm; a second Ctrl-C exits at once. Exit status: 0 completed, 1 failed or
+    rejected (the error is printed), 130 cancelled by Ctrl-C.
+    """
+    token = None
+    if auth_token_file:
+        with open(auth_token_file) as f:
+            token = f.read().strip()
+    try:
+        status = trio.run(
+            lambda: run_generate(
+                sidecar_url,
+                prompt,
+                max_tokens=max_tokens,
+                model=model,
+                as_json=as_json,
+                encoding=encoding,
+                auth_token=token,
+            )
+        )
+    except ValueError as error:  # a malformed --sidecar URL
+        raise click.BadParameter(str(error), param_hint="--sidecar") from None
+    sys.exit(status)
+
+
+@click.command("disagg")
+def disagg() -> None:
+    """Prefill/decode (disaggregated) generation across sidecars (not implemented yet)."""
+    raise click.ClickException("not implemented yet")

@@ -1,0 +1,428 @@
+"""Python client of the north protocol v1 (trio, trio-websocket).
+
+    async with open_sidecar("ws://127.0.0.1:8600") as sc:
+        async with sc.generate({"model": "m", "prompt": "Hi"}) as stream:
+            async for event in stream:          # wire.Event: .response (typed proto3 JSON view)
+                print(event.response.text, end="")
+        stream.end                              # wire.End: .outcome, .error
+        card = await sc.call("describe")
+
+One reader task per connection decodes every frame and dispatches it to the stream's
+bounded channel (or the waiting call); writers share one lock. A consumer that does not
+read its stream fills the channel and then pauses the reader, which back-pressures the
+sidecar (and so the engine) -- read your streams, or leave their blocks.
+
+Cancellation: leaving a ``generate`` block before its ``end`` (break, exception,
+cancellation) sends ``cancel`` and waits, shielded and bounded by ``cancel_timeout``, for
+the ``end``. Losing the connection ends every open stream and call with
+``SidecarConnectionError``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import ssl
+import urllib.parse
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import betterproto2
+import trio
+from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection, open_websocket_url
+
+from sidecar.north import codec, wire
+from sidecar.north.codec import Encoding
+from sidecar.north.pbjson import message_to_json
+
+__all__ = [
+    "DEFAULT_PATH",
+    "SidecarCallError",
+    "SidecarClient",
+    "SidecarConnectionError",
+    "SidecarError",
+    "SidecarStream",
+    "SidecarStreamError",
+    "open_sidecar",
+    "sidecar_url",
+]
+
+log = logging.getLogger(__name__)
+
+#: Path added to a sidecar URL that has none.
+DEFAULT_PATH = "/v1/ws"
+
+
+class SidecarError(Exception):
+    """Base of the client's errors."""
+
+
+class SidecarConnectionError(SidecarError):
+    """Could not connect, or the connection was lost (``close_code`` when the peer sent one).
+    Retryable: the request may be sent again, to this sidecar or another."""
+
+    retryable = True
+
+    def __init__(self, message: str, *, close_code: int | None = None) -> None:
+        super().__init__(message)
+        self.close_code = close_code
+
+    def copy(self) -> SidecarConnectionError:
+        """A fresh instance to raise (one error object raised in many tasks would mix tracebacks)."""
+        return SidecarConnectionError(str(self), close_code=self.close_code)
+
+
+class SidecarCallError(SidecarError):
+    """A ``call`` answered ``ok: false``: ``code`` is an ``ERROR_CODE_*`` name."""
+
+    def __init__(self, method: str, error: wire.ErrorBody) -> None:
+        super().__init__(f"{method}: {error.code}: {error.message}")
+        self.method = method
+        self.code = error.code
+        self.message = error.message
+        self.retryable = error.retryable
+
+
+class SidecarStreamError(SidecarError):
+    """Raised by ``SidecarStream.check()`` for an ``end`` other than ``completed``."""
+
+    def __init__(self, end: wire.End) -> None:
+        error = end.error
+        detail = f"{error.code}: {error.message}" if error is not None else "no error details"
+        super().__init__(f"stream {end.outcome}: {detail}")
+        self.outcome = end.outcome
+        self.code = error.code if error is not None else None
+        self.message = error.message if error is not None else ""
+        self.retryable = error.retryable if error is not None else False
+
+
+def sidecar_url(url: str) -> str:
+    """Normalize a sidecar address: ``ws://h:p`` -> ``ws://h:p/v1/ws``; ``h:p`` -> ``ws://h:p/v1/ws``.
+    A URL with a path (or ``wss://``) keeps it; other schemes are a ``ValueError``."""
+    if "://" not in url:
+        url = "ws://" + url
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("ws", "wss"):
+        raise ValueError(f"sidecar URL must be ws:// or wss://, got {url!r}")
+    if not parts.hostname:
+        raise ValueError(f"sidecar URL has no host: {url!r}")
+    if parts.path in ("", "/"):
+        parts = parts._replace(path=DEFAULT_PATH)
+    return urllib.parse.urlunsplit(parts)
+
+
+class SidecarStream:
+    """One ``generate``: iterate it for ``wire.Event``s; ``end`` is set once the stream ended.
+
+    Iteration stops after the ``end`` (check ``end.outcome``, or call ``check()``); it raises
+    ``SidecarConnectionError`` if the connection is lost first.
+    """
+
+    def __init__(self, client: SidecarClient, stream_id: int, buffer: int) -> None:
+        self.id = stream_id
+        self.end: wire.End | None = None
+        #: ``kvSessionBytes`` of the ``prefillReady`` event, if one arrived.
+        self.kv_session_bytes: bytes | None = None
+        self._client = client
+        self._send, self._recv = trio.open_memory_channel[wire.Event](buffer)
+        self._ended = trio.Event()
+        self._error: SidecarConnectionError | None = None
+        self._opened = False
+        self._abandoned = False
+        self._cancel_sent = False
+
+    def __aiter__(self) -> SidecarStream:
+        return self
+
+    async def __anext__(self) -> wire.Event:
+        try:
+            return await self._recv.receive()
+        except trio.EndOfChannel:
+            if self._error is not None:
+                raise self._error.copy() from None
+            raise StopAsyncIteration from None
+
+    async def cancel(self) -> None:
+        """Ask the sidecar to cancel (idempotent); keep iterating to see the remaining events and
+        the ``end`` (normally ``cancelled``)."""
+        if self._cancel_sent or self.end is not None or self._error is not None or not self._opened:
+            return
+        self._cancel_sent = True
+        await self._client._send(wire.Cancel(stream=self.id))
+
+    async def wait_end(self) -> wire.End:
+        """Skip the remaining events and return the ``end``; ``SidecarConnectionError`` if lost."""
+        async for _ in self:
+            pass
+        assert self.end is not None
+        return self.end
+
+    def check(self) -> wire.End:
+        """Return the ``end`` if ``completed``; else raise ``SidecarStreamError`` (or
+        ``SidecarConnectionError``). Call after the stream ended."""
+        if self._error is not None:
+            raise self._error.copy()
+        if self.end is None:
+            raise RuntimeError("stream has not ended yet")
+        if self.end.outcome != "completed":
+            raise SidecarStreamError(self.end)
+        return self.end
+
+    # reader side
+    async def _deliver(self, event: wire.Event) -> None:
+        if event.kv_session_bytes is not None:
+            self.kv_session_bytes = event.kv_session_bytes
+        if self._abandoned:
+            return
+        try:
+            await self._send.send(event)  # bounded: a slow consumer pauses the reader
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the consumer left its block meanwhile
+
+    def _finish(self, end: wire.End | None, error: SidecarConnectionError | None) -> None:
+        if self._ended.is_set():
+            return
+        self.end, self._error = end, error
+        self._send.close()
+        self._ended.set()
+
+
+class _PendingCall:
+    def __init__(self, method: str) -> None:
+        self.method = method
+        self.done = trio.Event()
+        self.result: wire.Result | None = None
+        self.error: SidecarConnectionError | None = None
+
+
+class SidecarClient:
+    """One WebSocket connection to a sidecar; create with ``open_sidecar``."""
+
+    def __init__(
+        self, ws: WebSocketConnection, *, encoding: Encoding, stream_buffer: int, cancel_timeout: float
+    ) -> None:
+        self._ws = ws
+        self.encoding = encoding
+        self._stream_buffer = stream_buffer
+        self._cancel_timeout = cancel_timeout
+        self._send_lock = trio.Lock()
+        self._ids = itertools.count(1)
+        self._streams: dict[str | int, SidecarStream] = {}
+        self._calls: dict[str | int, _PendingCall] = {}
+        self._lost: SidecarConnectionError | None = None
+        #: The last ``protocol_error`` message the sidecar sent (it cannot be matched to a request).
+        self.last_protocol_error: str | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self._lost is not None
+
+    async def _send(self, msg: wire.ClientMessage) -> None:
+        if self._lost is not None:
+            raise self._lost.copy()
+        frame = codec.encode(msg, self.encoding)
+        async with self._send_lock:
+            try:
+                await self._ws.send_message(frame)
+            except ConnectionClosed as err:
+                raise self._connection_lost(err).copy() from None
+
+    def _connection_lost(
+        self, err: ConnectionClosed | None, message: str | None = None
+    ) -> SidecarConnectionError:
+        if self._lost is None:
+            reason = err.reason if err is not None else None
+            code = reason.code if reason is not None else None
+            if message is None:
+                message = "connection to sidecar closed" + (
+                    f" ({reason.code} {reason.name}{': ' + reason.reason if reason.reason else ''})"
+                    if reason
+                    else ""
+                )
+            self._lost = SidecarConnectionError(message, close_code=code)
+            for stream in list(self._streams.values()):
+                stream._finish(None, self._lost)
+            for call in list(self._calls.values()):
+                call.error = self._lost
+                call.done.set()
+        return self._lost
+
+    async def _reader(self) -> None:
+        """Decode and dispatch every frame until the connection closes; never raises (a failure
+        ends all streams and calls with ``SidecarConnectionError``)."""
+        try:
+            while True:
+                frame = await self._ws.get_message()
+                try:
+                    msg = codec.decode_server_frame(frame)
+                except codec.ProtocolError as err:
+                    log.warning("ignoring a message from the sidecar: %s", err)
+                    continue
+                await self._dispatch(msg)
+        except ConnectionClosed as err:
+            self._connection_lost(err)
+        except codec.FrameDecodeError as err:
+            self._connection_lost(None, str(err))
+            with trio.move_on_after(self._cancel_timeout) as scope:
+                scope.shield = True
+                await self._ws.aclose(1007, "undecodable frame")
+        except Exception as err:
+            log.exception("sidecar client reader failed")
+            self._connection_lost(None, f"client reader failed: {err!r}")
+            with trio.move_on_after(self._cancel_timeout) as scope:
+                scope.shield = True
+                await self._ws.aclose(1011, "client error")
+
+    async def _dispatch(self, msg: wire.ServerMessage) -> None:
+        if type(msg) is wire.Event:
+            stream = self._streams.get(msg.stream)
+            if stream is not None:
+                await stream._deliver(msg)
+        elif type(msg) is wire.End:
+            stream = self._streams.get(msg.stream)
+            if stream is not None:
+                stream._finish(msg, None)
+        elif type(msg) is wire.Result:
+            call = self._calls.get(msg.call)
+            if call is not None:
+                call.result = msg
+                call.done.set()
+        elif type(msg) is wire.Events:
+            for item in msg.items:
+                await self._dispatch(item)
+        elif type(msg) is wire.ProtocolErrorMessage:
+            log.warning("sidecar reported a protocol error: %s", msg.message)
+            self.last_protocol_error = msg.message
+
+    @asynccontextmanager
+    async def generate(
+        self,
+        request: Mapping[str, Any] | betterproto2.Message,
+        metadata: Mapping[str, str] | None = None,
+        kv_session_bytes: bytes | None = None,
+    ) -> AsyncIterator[SidecarStream]:
+        """Start a stream. ``request`` is a ``pb.GenerateRequest`` or its proto3 JSON form;
+        ``kv_session_bytes`` the ``kvSessionBytes`` of a prefill's ``prefillReady`` event.
+
+        Leaving the block before the ``end`` sends ``cancel`` and waits (shielded, at most
+        ``cancel_timeout``) for the ``end``. Raises ``SidecarConnectionError`` when not connected.
+        """
+        body = message_to_json(request) if isinstance(request, betterproto2.Message) else dict(request)
+        stream = SidecarStream(self, next(self._ids), self._stream_buffer)
+        self._streams[stream.id] = stream
+        try:
+            await self._send(
+                wire.Generate(
+                    stream=stream.id,
+                    request=body,
+                    metadata=dict(metadata) if metadata else None,
+                    kv_session_bytes=kv_session_bytes,
+                )
+            )
+            stream._opened = True
+            yield stream
+        finally:
+            stream._abandoned = True
+            stream._recv.close()
+            if stream._opened and not stream._ended.is_set():
+                with trio.move_on_after(self._cancel_timeout, shield=True):
+                    try:
+                        await stream.cancel()
+                        await stream._ended.wait()
+                    except SidecarConnectionError:
+                        pass
+                if not stream._ended.is_set():
+                    log.warning("stream %s: no end within %.1fs of cancel", stream.id, self._cancel_timeout)
+            self._streams.pop(stream.id, None)
+
+    async def call(self, method: str, params: Mapping[str, Any] | betterproto2.Message | None = None) -> Any:
+        """A unary call (``describe``, ``load``, ``health``, ``listLoras``, ``loadLora``,
+        ``unloadLora``); returns the result ``body``. Raises ``SidecarCallError`` when the
+        sidecar answers with an error, ``SidecarConnectionError`` when the connection is lost.
+        Bound it with ``trio.fail_after``."""
+        if isinstance(params, betterproto2.Message):
+            params = message_to_json(params)
+        call_id = next(self._ids)
+        pending = _PendingCall(method)
+        self._calls[call_id] = pending
+        try:
+            await self._send(wire.Call(call=call_id, method=method, params=dict(params) if params else None))
+            await pending.done.wait()
+        finally:
+            self._calls.pop(call_id, None)
+        if pending.error is not None:
+            raise pending.error.copy()
+        result = pending.result
+        assert result is not None
+        if result.ok:
+            return result.body
+        raise SidecarCallError(method, result.error or wire.ErrorBody(code="ERROR_CODE_UNSPECIFIED"))
+
+
+def _single(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    """The one exception of a nursery's group (the reader never raises, so it is the user's)."""
+    return group.exceptions[0] if len(group.exceptions) == 1 else None
+
+
+@asynccontextmanager
+async def open_sidecar(
+    url: str,
+    *,
+    encoding: Encoding | str = Encoding.JSON,
+    connect_timeout: float = 10.0,
+    cancel_timeout: float = 5.0,
+    stream_buffer: int = 64,
+    max_message_size: int = 16 * 2**20,
+    ssl_context: ssl.SSLContext | None = None,
+    coalesce: bool = False,
+    auth_token: str | None = None,
+) -> AsyncIterator[SidecarClient]:
+    """Connect to a sidecar (``sidecar_url`` normalizes ``url``) and run the connection's reader.
+
+    ``encoding`` picks JSON text frames or msgpack binary frames for the whole connection.
+    ``coalesce`` opts in to ``events`` frames (several events in one frame; the URL gets
+    ``coalesce=1``); the client handles them transparently. ``auth_token`` is sent as
+    ``Authorization: Bearer <token>`` (a sidecar run with ``--auth-token-file`` refuses the
+    handshake without it: ``SidecarConnectionError``).
+    Raises ``SidecarConnectionError`` if the connection cannot be opened. Leaving the block
+    closes the connection (open streams see it as lost; leave their blocks first).
+    """
+    full_url = sidecar_url(url)
+    if coalesce:
+        parts = urllib.parse.urlsplit(full_url)
+        full_url = urllib.parse.urlunsplit(
+            parts._replace(query="&".join(filter(None, [parts.query, "coalesce=1"])))
+        )
+    enc = Encoding(encoding)
+    connected = False
+    try:
+        async with open_websocket_url(
+            full_url,
+            ssl_context,
+            extra_headers=[(b"authorization", f"Bearer {auth_token}".encode())] if auth_token else None,
+            message_queue_size=16,
+            max_message_size=max_message_size,
+            connect_timeout=connect_timeout,
+            disconnect_timeout=cancel_timeout,
+        ) as ws:
+            connected = True
+            client = SidecarClient(
+                ws, encoding=enc, stream_buffer=stream_buffer, cancel_timeout=cancel_timeout
+            )
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(client._reader)
+                    try:
+                        yield client
+                    finally:
+                        nursery.cancel_scope.cancel(reason="sidecar client closed")
+            except BaseExceptionGroup as group:
+                single = _single(group)
+                if single is None:
+                    raise
+                raise single from None
+    except (HandshakeError, OSError) as err:
+        if connected:
+            raise  # from the caller's block, or a close timeout
+        raise SidecarConnectionError(f"cannot connect to {full_url}: {err!r}") from err

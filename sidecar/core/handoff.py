@@ -1,0 +1,208 @@
+"""Envelope checks of a ``KvSessionRef`` before it reaches the engine (P/D handoff).
+
+The attributes (``attributes_struct``) stay opaque: only the envelope is checked,
+against this worker's card. Codes:
+
+- ``UNSUPPORTED_FEATURE``: the session was made for another connector (its
+  ``handoff_profile`` or ``transfer_backend`` differs from this worker's), or this
+  worker has no enabled KV connector. Another worker may take it.
+- ``INVALID_ARGUMENT``: a malformed or inconsistent envelope: no profile on a
+  context-first handoff, ``dp_rank`` outside this worker's DP ranks, a conflicting
+  ``openengine-target-dp-rank`` (the engine would answer the same), a bootstrap
+  present on a context-first connector or missing on a client-bootstrap one, room 0,
+  no/invalid bootstrap endpoint, a prefill bootstrap endpoint that is not this
+  engine's.
+
+Decisions where the schema is silent:
+
+- An empty ``transfer_backend`` in the session is accepted (not every engine sets
+  it); a non-empty one must equal the connector's (case-insensitive).
+- An empty ``handoff_profile`` is accepted only on client-bootstrap connectors,
+  where the client (not an engine) builds the session; a context-first session
+  always comes from a prefill engine's ``PrefillReady`` and must name its profile.
+- On a client-bootstrap prefill, the bootstrap endpoint must be one of this engine's
+  ``kv_connector.local_endpoints`` (host and port): a misrouted prefill would
+  otherwise wait in "bootstrapping" until SGLang's timeout.
+
+Role rules (which role needs a session at all) live in ``admission.py``.
+"""
+
+from __future__ import annotations
+
+from sidecar.core.card import KvConnectorCard, WorkerCard
+from sidecar.core.errors import Rejection, invalid_argument, unsupported
+from sidecar.openengine import pb
+
+__all__ = [
+    "KNOWN_HANDOFF_PROFILES",
+    "MAX_SESSION_BYTES",
+    "check_bootstrap",
+    "check_decode_session",
+    "check_prefill_session",
+    "parse_kv_session",
+]
+
+KNOWN_HANDOFF_PROFILES = frozenset(
+    {"vllm.kv_transfer_params.v1", "tensorrt_llm.disaggregated_params.v1", "sglang.bootstrap.v1"}
+)
+#: Upper bound for ``kvSessionBytes`` (a handoff carries block ids; generous but bounded).
+MAX_SESSION_BYTES = 4 * 1024 * 1024
+
+
+# Sub-message fields of KvSessionRef and what it embeds (field number -> message name), so the
+# wire check below can descend into them; other length-delimited fields are opaque bytes.
+_SUBMESSAGES: dict[str, dict[int, str]] = {
+    "KvSessionRef": {3: "KvEndpoint", 5: "Struct", 7: "KvBootstrap"},
+    "KvBootstrap": {1: "KvEndpoint"},
+    "KvEndpoint": {},
+    "Struct": {1: "Struct.FieldsEntry"},
+    "Struct.FieldsEntry": {2: "Value"},
+    "Value": {5: "Struct", 6: "ListValue"},
+    "ListValue": {1: "Value"},
+}
+_MAX_DEPTH = 64
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(data) or shift > 63:
+            raise ValueError("truncated or overlong varint")
+        b = data[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return value, pos
+
+
+def _check_wire(data: bytes, message: str, depth: int = 0) -> None:
+    """Strict protobuf wire-format walk (betterproto2's parser accepts truncated input)."""
+    if depth > _MAX_DEPTH:
+        raise ValueError("nested too deeply")
+    subs = _SUBMESSAGES[message]
+    pos = 0
+    while pos < len(data):
+        key, pos = _varint(data, pos)
+        field_no, wire = key >> 3, key & 7
+        if field_no == 0:
+            raise ValueError("field number 0")
+        if wire == 0:
+            _, pos = _varint(data, pos)
+        elif wire == 1 or wire == 5:
+            pos += 8 if wire == 1 else 4
+            if pos > len(data):
+                raise ValueError("truncated fixed-width field")
+        elif wire == 2:
+            length, pos = _varint(data, pos)
+            end = pos + length
+            if end > len(data):
+                raise ValueError("truncated length-delimited field")
+            if field_no in subs:
+                _check_wire(data[pos:end], subs[field_no], depth + 1)
+            pos = end
+        else:
+            raise ValueError(f"unsupported wire type {wire}")
+
+
+def parse_kv_session(data: bytes) -> pb.KvSessionRef:
+    """Parse ``kvSessionBytes``; ``INVALID_ARGUMENT`` if empty, too large or not a ``KvSessionRef``.
+
+    The bytes are first checked strictly against the protobuf wire format (the parser
+    itself is lenient). Unknown fields are kept, so ``bytes(result)`` carries them on.
+    """
+    if not data:
+        invalid_argument("kvSessionBytes is empty")
+    if len(data) > MAX_SESSION_BYTES:
+        invalid_argument(f"kvSessionBytes is larger than {MAX_SESSION_BYTES} bytes")
+    try:
+        _check_wire(data, "KvSessionRef")
+        return pb.KvSessionRef.parse(data)
+    except Exception as err:  # the parser raises assorted errors on garbage
+        raise Rejection(
+            pb.ErrorCode.INVALID_ARGUMENT, f"kvSessionBytes is not a KvSessionRef ({type(err).__name__})"
+        ) from err
+
+
+def check_bootstrap(bootstrap: pb.KvBootstrap) -> None:
+    """Room non-zero, endpoint with a host and a port in 1…65535."""
+    if bootstrap.room_id == 0:
+        invalid_argument("kv.session.bootstrap.room_id must be non-zero")
+    ep = bootstrap.endpoint
+    if ep is None or not ep.host:
+        invalid_argument("kv.session.bootstrap has no endpoint host")
+    if not 0 < ep.port <= 65535:
+        invalid_argument(f"kv.session.bootstrap endpoint port {ep.port} is out of range")
+
+
+def _connector(card: WorkerCard) -> KvConnectorCard:
+    kv = card.kv_connector
+    if kv is None or kv.enabled is False:
+        unsupported(f"this {card.role} worker has no enabled KV connector")
+    return kv
+
+
+def _check_profile_backend(session: pb.KvSessionRef, kv: KvConnectorCard, *, require_profile: bool) -> None:
+    profile = session.handoff_profile
+    if not profile:
+        if require_profile:
+            invalid_argument("kv.session has no handoff_profile")
+    elif profile != kv.handoff_profile:
+        unsupported(
+            f"kv.session handoff_profile {profile!r} does not match this worker's connector "
+            f"({kv.handoff_profile!r})"
+        )
+    backend = session.transfer_backend
+    if backend and kv.transfer_backend and backend.casefold() != kv.transfer_backend.casefold():
+        unsupported(
+            f"kv.session transfer_backend {backend!r} does not match this worker's connector "
+            f"({kv.transfer_backend!r})"
+        )
+
+
+def _check_rank(session: pb.KvSessionRef, card: WorkerCard, target_dp_rank: int | None) -> None:
+    rank = int(session.dp_rank)
+    if rank not in card.dp_ranks:
+        ranks = ", ".join(map(str, card.dp_ranks))
+        invalid_argument(f"kv.session dp_rank {rank} is not a DP rank of this worker ({ranks})")
+    if target_dp_rank is not None and target_dp_rank != rank:
+        invalid_argument(
+            f"openengine-target-dp-rank {target_dp_rank} conflicts with kv.session dp_rank {rank}"
+        )
+
+
+def check_decode_session(
+    session: pb.KvSessionRef, card: WorkerCard, *, target_dp_rank: int | None = None
+) -> None:
+    """Envelope of the session a decode request carries (from ``PrefillReady`` or the P/D client)."""
+    kv = _connector(card)
+    bootstrap_mode = kv.uses_client_bootstrap
+    _check_profile_backend(session, kv, require_profile=not bootstrap_mode)
+    _check_rank(session, card, target_dp_rank)
+    if bootstrap_mode:
+        if session.bootstrap is None:
+            invalid_argument("this decode worker uses client bootstrap: kv.session.bootstrap is required")
+        check_bootstrap(session.bootstrap)
+    elif session.bootstrap is not None:
+        invalid_argument(
+            "kv.session.bootstrap given, but this worker's connector does not use client bootstrap"
+        )
+
+
+def check_prefill_session(
+    session: pb.KvSessionRef, card: WorkerCard, *, target_dp_rank: int | None = None
+) -> None:
+    """Envelope of the bootstrap session a client-bootstrap prefill request carries."""
+    kv = _connector(card)
+    _check_profile_backend(session, kv, require_profile=False)
+    _check_rank(session, card, target_dp_rank)
+    if session.bootstrap is None:
+        invalid_argument("this prefill worker uses client bootstrap: kv.session.bootstrap is required")
+    check_bootstrap(session.bootstrap)
+    ep = session.bootstrap.endpoint
+    assert ep is not None  # check_bootstrap
+    if kv.local_endpoints and not any(e.same_address(ep.host, int(ep.port)) for e in kv.local_endpoints):
+        mine = ", ".join(f"{e.host}:{e.port}" for e in kv.local_endpoints)
+        invalid_argument(
+            f"kv.session.bootstrap endpoint {ep.host}:{ep.port} is not this prefill engine's ({mine})"
+        )

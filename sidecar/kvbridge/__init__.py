@@ -1,0 +1,28 @@
+"""KV event bridge: engine KV events (ZMQ msgpack or OpenEngine gRPC) -> one vLLM-format ZMQ publisher per DP rank.
+
+Public API (see docs/KVBRIDGE.md)::
+
+    from sidecar.kvbridge import KvBridgeConfig, run_kv_bridge
+    info = await nursery.start(partial(run_kv_bridge, KvBridgeConfig(...), engine_client=client))
+    info.to_dict()   # for the worker card
+"""
+
+from sidecar.kvbridge.errors import KvBridgeError, KvConfigError, KvDecodeError, KvSourceError
+from sidecar.kvbridge.service import KvBridgeConfig, KvBridgeInfo, KvRankInfo, discover_sources, run_kv_bridge
+from sidecar.kvbridge.sources import GrpcSource, KvSource, ZmqSource, plan_sources
+
+__all__ = [
+    "GrpcSource",
+    "KvBridgeConfig",
+    "KvBridgeError",
+    "KvBridgeInfo",
+    "KvConfigError",
+    "KvDecodeError",
+    "KvRankInfo",
+    "KvSource",
+    "KvSourceError",
+    "ZmqSource",
+    "discover_sources",
+    "plan_sources",
+    "run_kv_bridge",
+]

@@ -1,0 +1,255 @@
+"""Decoding of engine ZMQ KV-event payloads (msgpack) into the normalized model.
+
+Accepted shapes (ENGINE-FACTS.md "Engine KV events over ZMQ"):
+
+- batch ``[ts, events]`` or ``[ts, events, dp_rank]`` (SGLang names the third field
+  ``attn_dp_rank``; same slot), or, leniently, a map with ``ts`` / ``events`` / a rank key;
+- events as tagged arrays ``["BlockStored", block_hashes, parent_block_hash, token_ids,
+  block_size, lora_id, medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind,
+  kv_cache_spec_sliding_window]`` (trailing fields may be omitted), ``["BlockRemoved",
+  block_hashes, medium, group_idx]``, ``["AllBlocksCleared"]``; or as maps tagged by
+  ``"type"`` with defaulted fields omitted; both kinds may even be mixed in one batch;
+- block hashes as ints over the full unsigned 64-bit range (msgpack uint64) or bytes;
+- SGLang's ``{cache_salt, session_id}`` metadata map in the ``lora_name`` slot (or under a
+  ``metadata`` key), kept as :attr:`BlockStored.metadata`.
+
+Fast path: typed msgspec decoding straight into the output model (vLLM map form with
+unsigned hashes: no per-event Python work), then maps needing normalization, then tagged
+arrays; the decoder remembers which one the source uses. Anything else (mixed batches, a
+map-shaped batch) falls back to a generic decode and per-event conversion. Unknown trailing
+array fields and unknown map keys are ignored; a ``None`` in an array's optional slot is a
+placeholder (omitted from the output), an explicit ``None`` in a map is kept.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+from sidecar.kvbridge.errors import KvDecodeError
+from sidecar.kvbridge.events import (
+    CLEARED,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KvEvent,
+    norm_hash,
+    norm_hashes,
+)
+
+# -- wire models ------------------------------------------------------------------------------
+
+
+class _MapStored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | dict[str, Any] | None = None
+    extra_keys: list[Any] | UnsetType | None = UNSET
+    group_idx: int | UnsetType | None = UNSET
+    kv_cache_spec_kind: str | UnsetType | None = UNSET
+    kv_cache_spec_sliding_window: int | UnsetType | None = UNSET
+    metadata: dict[str, Any] | UnsetType | None = UNSET
+
+
+class _MapRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=False):
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+    group_idx: int | UnsetType | None = UNSET
+
+
+class _MapCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", gc=False):
+    pass
+
+
+class _ArrStored(msgspec.Struct, array_like=True, tag="BlockStored", gc=False):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | dict[str, Any] | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class _ArrRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved", gc=False):
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _ArrCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared", gc=False):
+    pass
+
+
+_MapEvent = _MapStored | _MapRemoved | _MapCleared
+_ArrEvent = _ArrStored | _ArrRemoved | _ArrCleared
+
+
+class _MapBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_MapEvent]
+    data_parallel_rank: int | None = None
+
+
+class _ArrBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_ArrEvent]
+    data_parallel_rank: int | None = None
+
+
+_RANK_KEYS = ("data_parallel_rank", "attn_dp_rank", "dp_rank")
+
+# -- conversion to the normalized model ------------------------------------------------------
+
+
+def _opt(value: Any) -> Any:
+    """An optional field from a tagged array: a None there is only a placeholder."""
+    return UNSET if value is None else value
+
+
+def _stored(e: _MapStored | _ArrStored) -> BlockStored:
+    lora_name = e.lora_name
+    parent = e.parent_block_hash
+    if type(e) is _MapStored:
+        metadata: Any = e.metadata if e.metadata is not None else UNSET
+        extra = (e.extra_keys, e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window)
+    else:
+        metadata = UNSET
+        extra = tuple(
+            _opt(v) for v in (e.extra_keys, e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window)
+        )
+    if isinstance(lora_name, dict):  # SGLang: metadata map in the lora_name slot
+        if metadata is UNSET:
+            metadata = lora_name
+        lora_name = None
+    return BlockStored(
+        norm_hashes(e.block_hashes),
+        norm_hash(parent) if parent is not None else None,
+        e.token_ids,
+        e.block_size,
+        e.lora_id,
+        e.medium,
+        lora_name,
+        *extra,
+        metadata,
+    )
+
+
+def _normalize(events: list[Any]) -> list[KvEvent]:
+    out: list[KvEvent] = []
+    append = out.append
+    for e in events:
+        t = type(e)
+        if t is _MapStored or t is _ArrStored:
+            append(_stored(e))
+        elif t is _MapRemoved:
+            append(BlockRemoved(norm_hashes(e.block_hashes), e.medium, e.group_idx))
+        elif t is _ArrRemoved:
+            append(BlockRemoved(norm_hashes(e.block_hashes), e.medium, _opt(e.group_idx)))
+        else:
+            append(CLEARED)
+    return out
+
+
+# -- decoder -----------------------------------------------------------------------------------
+
+
+class MsgpackBatchDecoder:
+    """Decodes one source's payloads; remembers which wire shape the source uses.
+
+    ``decode`` returns an :class:`EventBatch` whose ``data_parallel_rank`` is the one in the
+    payload (``None`` when absent) or raises :class:`KvDecodeError`. Shapes, in the order
+    first tried: vLLM maps straight into the output model (no per-event Python work);
+    maps needing normalization (negative int64 hashes, SGLang metadata); tagged arrays.
+    Not shared between sources; not thread-safe.
+    """
+
+    __slots__ = ("_last", "_paths")
+
+    def __init__(self) -> None:
+        fast = msgspec.msgpack.Decoder(EventBatch)
+        maps = msgspec.msgpack.Decoder(_MapBatch)
+        arrays = msgspec.msgpack.Decoder(_ArrBatch)
+
+        def slow(dec: msgspec.msgpack.Decoder[Any]) -> Any:
+            def run(payload: bytes) -> EventBatch:
+                b = dec.decode(payload)
+                return EventBatch(b.ts, _normalize(b.events), b.data_parallel_rank)
+
+            return run
+
+        self._paths: list[Any] = [fast.decode, slow(maps), slow(arrays)]
+        self._last = 0
+
+    def decode(self, payload: bytes) -> EventBatch:
+        try:
+            return self._paths[self._last](payload)  # type: ignore[no-any-return]
+        except msgspec.DecodeError:
+            pass
+        for i, path in enumerate(self._paths):
+            if i == self._last:
+                continue
+            try:
+                batch: EventBatch = path(payload)
+            except msgspec.DecodeError:
+                continue
+            self._last = i
+            return batch
+        return _decode_generic(payload)
+
+
+def _decode_generic(payload: bytes) -> EventBatch:
+    """Slow path: mixed event kinds in one batch, a map-shaped batch, or a malformed payload."""
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError as err:
+        raise KvDecodeError(f"payload is not msgpack: {err}") from err
+    rank: Any = None
+    if isinstance(raw, list):
+        if len(raw) < 2:
+            raise KvDecodeError(f"batch array has {len(raw)} fields, expected [ts, events, dp_rank?]")
+        ts, events = raw[0], raw[1]
+        if len(raw) > 2:
+            rank = raw[2]
+    elif isinstance(raw, dict):
+        ts, events = raw.get("ts"), raw.get("events")
+        for key in _RANK_KEYS:
+            if raw.get(key) is not None:
+                rank = raw[key]
+                break
+    else:
+        raise KvDecodeError(f"batch is a {type(raw).__name__}, expected an array")
+    if isinstance(ts, bool) or not isinstance(ts, int | float):
+        raise KvDecodeError("batch timestamp is not a number")
+    if not isinstance(events, list):
+        raise KvDecodeError("batch events is not an array")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+        raise KvDecodeError("batch dp_rank is not an int")
+    typed: list[Any] = []
+    for i, ev in enumerate(events):
+        try:
+            if isinstance(ev, dict):
+                typed.append(msgspec.convert(ev, _MapEvent))  # type: ignore[arg-type]
+            elif isinstance(ev, list):
+                typed.append(msgspec.convert(ev, _ArrEvent))  # type: ignore[arg-type]
+            else:
+                raise KvDecodeError(f"event {i} is a {type(ev).__name__}, expected a map or an array")
+        except msgspec.ValidationError as err:
+            raise KvDecodeError(f"event {i}: {err}") from err
+    return EventBatch(float(ts), _normalize(typed), rank)
+
+
+def decode_msgpack_batch(payload: bytes) -> EventBatch:
+    """Decode one payload (convenience; sources keep a :class:`MsgpackBatchDecoder`)."""
+    return MsgpackBatchDecoder().decode(payload)

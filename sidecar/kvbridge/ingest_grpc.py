@@ -1,0 +1,143 @@
+"""Ingest of one DP rank over OpenEngine ``SubscribeKvEvents`` (through the ``EngineClient``).
+
+One subscription at a time per rank. After an error or the end of a stream, resubscribe
+from the next sequence number (exponential backoff, reset by the first delivered batch);
+after a gap inside a stream, at once. When the engine cannot resume where asked (its first
+batch is not that number, or it refuses the start with a non-retryable error), resubscribe
+with ``include_snapshot`` and publish ``AllBlocksCleared`` before the snapshot — see
+:class:`~sidecar.kvbridge.sequencer.GrpcSequencer`. An engine that also refuses snapshots
+is then followed live after the ``AllBlocksCleared``.
+
+Cancellation: cancel the surrounding scope; leaving the ``subscribe_kv_events`` block
+resets the HTTP/2 stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Protocol
+
+import trio
+
+from sidecar.kvbridge.decode_proto import batch_from_proto
+from sidecar.kvbridge.errors import KvDecodeError
+from sidecar.kvbridge.events import EventBatch, cleared_batch
+from sidecar.kvbridge.metrics import RankMetrics
+from sidecar.kvbridge.sequencer import Clear, Duplicate, Emit, GrpcAction, GrpcSequencer, Reason, Resubscribe
+from sidecar.kvbridge.sources import GrpcSource
+from sidecar.openengine import pb
+from sidecar.openengine.errors import EngineClientError, EngineStatusError, EngineTerminalError
+
+log = logging.getLogger(__name__)
+
+
+class KvEventClient(Protocol):
+    """The part of ``EngineClient`` the gRPC ingest uses."""
+
+    def subscribe_kv_events(self, request: pb.SubscribeKvEventsRequest) -> Any: ...
+
+
+class GrpcIngest:
+    """State of one gRPC ingest task; :meth:`run` is the task."""
+
+    def __init__(
+        self,
+        client: KvEventClient,
+        source: GrpcSource,
+        out: trio.MemorySendChannel[list[EventBatch]],
+        *,
+        backoff_initial: float = 0.05,
+        backoff_max: float = 5.0,
+        cleared: bool = False,
+    ) -> None:
+        self.client = client
+        self.source = source
+        self.out = out
+        self.backoff_initial = backoff_initial
+        self.backoff_max = backoff_max
+        self.metrics = RankMetrics(source.rank)
+        self.sequencer: GrpcSequencer[pb.KvEventBatch] = GrpcSequencer(cleared=cleared)
+        self._snapshot_refused = False
+        self._rank_warned = False
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Subscribe and forward every batch to ``out`` until cancelled (or ``out`` is closed)."""
+        rank = self.source.rank
+        seqr = self.sequencer
+        m = self.metrics
+        delay = self.backoff_initial
+        task_status.started()
+        while True:
+            start, snapshot = seqr.request()
+            if snapshot and self._snapshot_refused:
+                snapshot = False
+            resuming = start > 0 and not snapshot
+            req = pb.SubscribeKvEventsRequest(
+                data_parallel_ranks=[rank], include_snapshot=snapshot, start_sequence_number=start
+            )
+            log.info("KV rank %d: SubscribeKvEvents start=%d snapshot=%s", rank, start, snapshot)
+            outcome: Resubscribe | None = None
+            first = True
+            try:
+                async with self.client.subscribe_kv_events(req) as stream:
+                    async for resp in stream:
+                        batch = resp.batch
+                        if batch is None:
+                            continue
+                        if first and resuming:
+                            m.replay("ok" if batch.sequence_number == start else "failed")
+                        first = False
+                        if batch.data_parallel_rank != rank and not self._rank_warned:
+                            self._rank_warned = True
+                            log.warning(
+                                "KV rank %d: engine labels its batches rank %d",
+                                rank,
+                                batch.data_parallel_rank,
+                            )
+                        outcome = await self._apply(seqr.on_batch(batch.sequence_number, batch))
+                        if outcome is not None:
+                            break
+                        delay = self.backoff_initial
+                log.info("KV rank %d: KV event stream ended", rank)
+            except (EngineTerminalError, EngineStatusError) as err:
+                cannot_resume = not err.retryable and (resuming or snapshot)
+                if resuming and first:
+                    m.replay("failed")
+                if cannot_resume and snapshot:
+                    self._snapshot_refused = True
+                seqr.on_failure(cannot_resume=cannot_resume)
+                log.warning("KV rank %d: KV event subscription failed: %s", rank, err)
+            except EngineClientError as err:  # unavailable, protocol error: retry
+                log.warning("KV rank %d: KV event subscription lost: %s", rank, err)
+            if outcome is not None:
+                if outcome.gap:
+                    m.gaps.inc()
+                continue  # resubscribe at once
+            await trio.sleep(delay)
+            delay = min(delay * 2, self.backoff_max)
+
+    async def _apply(self, actions: list[GrpcAction[pb.KvEventBatch]]) -> Resubscribe | None:
+        m = self.metrics
+        rank = self.source.rank
+        for a in actions:
+            if type(a) is Emit:
+                m.batches_in.inc()
+                try:
+                    batch = batch_from_proto(a.payload)
+                except KvDecodeError as err:
+                    m.decode_errors.inc()
+                    log.warning("KV rank %d: batch %d does not decode (%s); resyncing", rank, a.seq, err)
+                    await self._apply(self.sequencer.clear(Reason.DECODE_ERROR))
+                    continue
+                m.events_in.inc(len(batch.events))
+                await self.out.send([batch])
+            elif type(a) is Duplicate:
+                m.duplicates.inc()
+            elif type(a) is Clear:
+                m.resync(a.reason)
+                log.warning("KV rank %d: publishing AllBlocksCleared (%s)", rank, a.reason)
+                await self.out.send([cleared_batch(time.time(), rank)])
+            elif type(a) is Resubscribe:
+                return a
+        return None

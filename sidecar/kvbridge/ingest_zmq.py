@@ -1,0 +1,182 @@
+"""Ingest of one engine ZMQ publisher (one DP rank): SUB for live batches, DEALER for replay.
+
+Resources: the task owns its SUB socket and, once a replay is needed, its DEALER; both are
+closed with ``linger=0`` in ``finally``. The DEALER is replaced after a failed replay so a
+late answer can never be mistaken for the next one. The task never waits on two sockets
+at once: during a replay the SUB keeps queueing in libzmq (up to its HWM; anything dropped
+there shows up as a gap afterwards and is replayed in turn).
+
+Each wake-up takes every queued message (up to ``drain_limit``) and hands their batches to
+the publisher as one list: one channel hop and one scheduler round per group, not per batch.
+
+Cancellation: cancel the surrounding scope; there is nothing to flush.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import trio
+import zmq
+
+from sidecar.kvbridge.decode_msgpack import MsgpackBatchDecoder
+from sidecar.kvbridge.errors import KvDecodeError
+from sidecar.kvbridge.events import EventBatch, cleared_batch
+from sidecar.kvbridge.metrics import RankMetrics
+from sidecar.kvbridge.replay import parse_upstream_reply, seq_bytes
+from sidecar.kvbridge.sequencer import Action, Clear, Duplicate, Emit, Reason, Replay, ZmqSequencer
+from sidecar.kvbridge.sources import ZmqSource
+from sidecar.kvbridge.zmqio import recv_multipart, recv_some
+
+log = logging.getLogger(__name__)
+
+
+class ZmqIngest:
+    """State of one ZMQ ingest task; :meth:`run` is the task."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        source: ZmqSource,
+        out: trio.MemorySendChannel[list[EventBatch]],
+        *,
+        hwm: int = 100_000,
+        replay_timeout: float = 5.0,
+        drain_limit: int = 64,
+        cleared: bool = False,
+    ) -> None:
+        self.ctx = ctx
+        self.source = source
+        self.out = out
+        self.hwm = source.hwm or hwm
+        self.replay_timeout = replay_timeout
+        self.drain_limit = drain_limit
+        self.metrics = RankMetrics(source.rank)
+        self.sequencer: ZmqSequencer[bytes] = ZmqSequencer(
+            can_replay=source.replay_endpoint is not None, cleared=cleared
+        )
+        self.decoder = MsgpackBatchDecoder()
+        self._dealer: zmq.Socket | None = None
+        self._rank_warned = False
+        self._in_events = 0  # decoded since the last flush (metrics are updated per group)
+        self._in_batches = 0
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Connect, then forward every batch to ``out`` until cancelled (or ``out`` is closed)."""
+        src = self.source
+        sub = self.ctx.socket(zmq.SUB)
+        try:
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, self.hwm)
+            sub.setsockopt(zmq.SUBSCRIBE, src.topic.encode())
+            sub.connect(src.endpoint)
+            log.info(
+                "KV rank %d: subscribed to %s (replay %s)",
+                src.rank,
+                src.endpoint,
+                src.replay_endpoint or "none",
+            )
+            task_status.started()
+            m = self.metrics
+            seqr = self.sequencer
+            while True:
+                out: list[EventBatch] = []
+                for frames in await recv_some(sub, self.drain_limit):
+                    if len(frames) != 3 or len(frames[1]) != 8:
+                        m.decode_errors.inc()
+                        log.warning(
+                            "KV rank %d: malformed message with %d frames ignored", src.rank, len(frames)
+                        )
+                        continue
+                    out = await self._apply(seqr.on_live(int.from_bytes(frames[1], "big"), frames[2]), out)
+                if out:
+                    await self._flush(out)
+                else:  # nothing to hand on (duplicates, malformed): still let others run
+                    await trio.lowlevel.checkpoint()
+        finally:
+            sub.close(linger=0)
+            self._close_dealer()
+
+    async def _flush(self, out: list[EventBatch]) -> None:
+        if self._in_batches:
+            self.metrics.events_in.inc(self._in_events)
+            self.metrics.batches_in.inc(self._in_batches)
+            self._in_events = self._in_batches = 0
+        step = self.drain_limit  # a long replay goes out in groups, so the publisher interleaves
+        for i in range(0, len(out), step):
+            await self.out.send(out[i : i + step] if len(out) > step else out)
+
+    def _close_dealer(self) -> None:
+        if self._dealer is not None:
+            self._dealer.close(linger=0)
+            self._dealer = None
+
+    async def _apply(self, actions: list[Action[bytes]], out: list[EventBatch]) -> list[EventBatch]:
+        """Carry out ``actions``, collecting output in ``out``; returns the list to keep collecting in."""
+        m = self.metrics
+        rank = self.source.rank
+        for a in actions:
+            if type(a) is Emit:
+                try:
+                    batch = self.decoder.decode(a.payload)
+                except KvDecodeError as err:
+                    m.decode_errors.inc()
+                    log.warning("KV rank %d: batch %d does not decode (%s); resyncing", rank, a.seq, err)
+                    out = await self._apply(self.sequencer.clear(Reason.DECODE_ERROR), out)
+                    continue
+                if batch.data_parallel_rank not in (None, rank) and not self._rank_warned:
+                    self._rank_warned = True
+                    log.warning(
+                        "KV rank %d: engine labels its batches rank %s", rank, batch.data_parallel_rank
+                    )
+                self._in_batches += 1
+                self._in_events += len(batch.events)
+                out.append(batch)
+            elif type(a) is Duplicate:
+                m.duplicates.inc()
+            elif type(a) is Clear:
+                m.resync(a.reason)
+                log.warning("KV rank %d: publishing AllBlocksCleared (%s)", rank, a.reason)
+                out.append(cleared_batch(time.time(), rank))
+            elif type(a) is Replay:
+                await self._flush(out)  # what came before the gap goes out first
+                out = []
+                if a.missing:
+                    m.gaps.inc()
+                    log.info("KV rank %d: gap of %d batches, replaying from %d", rank, a.missing, a.start)
+                items = await self._replay(a.start)
+                m.replay("ok" if items is not None else "failed")
+                out = await self._apply(self.sequencer.on_replay(items), out)
+        return out
+
+    async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
+        """Every batch the engine still holds from ``start`` on, or ``None`` on failure.
+
+        ``replay_timeout`` bounds the wait for each reply message (not the whole replay).
+        """
+        src = self.source
+        assert src.replay_endpoint is not None
+        if self._dealer is None:
+            dealer = self.ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.RCVHWM, 0)  # take the whole answer: the engine's ROUTER drops at HWM
+            dealer.connect(src.replay_endpoint)
+            self._dealer = dealer
+        dealer = self._dealer
+        items: list[tuple[int, bytes]] = []
+        try:
+            dealer.send_multipart([b"", seq_bytes(start)], zmq.NOBLOCK)
+            with trio.move_on_after(self.replay_timeout) as scope:
+                while True:
+                    frames = await recv_multipart(dealer)
+                    scope.deadline = trio.current_time() + self.replay_timeout
+                    reply = parse_upstream_reply(frames)
+                    if reply is None:
+                        return items
+                    items.append(reply)
+            log.warning("KV rank %d: replay from %s timed out", src.rank, src.replay_endpoint)
+        except (zmq.ZMQError, KvDecodeError) as err:
+            log.warning("KV rank %d: replay from %s failed: %s", src.rank, src.replay_endpoint, err)
+        self._close_dealer()
+        return None

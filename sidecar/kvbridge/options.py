@@ -1,0 +1,98 @@
+"""The bridge's command-line flags, for the ``run`` command (each also reads ``OPENENGINE_SIDECAR_*``).
+
+Usage::
+
+    @click.command()
+    @kv_bridge_options
+    def run(..., **kw):
+        kv_config = kv_bridge_config(kw)   # None with --no-kv-events
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import click
+
+from sidecar.cli_options import option
+from sidecar.kvbridge.errors import KvConfigError
+from sidecar.kvbridge.service import KvBridgeConfig
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_OPTIONS = [
+    option(
+        "--kv-events/--no-kv-events",
+        "kv_events",
+        default=True,
+        show_default=True,
+        help="Bridge the engine's KV cache events to a vLLM-format ZMQ publisher.",
+    ),
+    option(
+        "--kv-publish",
+        default="tcp://127.0.0.1:5600",
+        show_default=True,
+        help="PUB bind endpoint of DP rank 0 (rank r: port + r; port 0: ephemeral).",
+    ),
+    option(
+        "--kv-replay",
+        default="tcp://127.0.0.1:5700",
+        show_default=True,
+        help="Replay ROUTER bind endpoint of DP rank 0 (rank r: port + r); 'none' disables replay.",
+    ),
+    option(
+        "--kv-buffer-steps",
+        type=click.IntRange(min=1),
+        default=10_000,
+        show_default=True,
+        help="Batches held per rank for replay.",
+    ),
+    option("--kv-topic", default="", show_default=True, help="ZMQ topic of published batches."),
+    option(
+        "--kv-hwm",
+        type=click.IntRange(min=0),
+        default=100_000,
+        show_default=True,
+        help="ZMQ high-water mark.",
+    ),
+    option(
+        "--kv-advertise-host",
+        default=None,
+        help="Host to report in the worker card for the KV endpoints (when binding a wildcard).",
+    ),
+]
+
+
+def kv_bridge_options(f: F) -> F:
+    """Add the ``--kv-*`` flags to a click command."""
+    for decorator in reversed(_OPTIONS):
+        f = decorator(f)
+    return f
+
+
+def kv_bridge_config(values: Mapping[str, Any], **overrides: Any) -> KvBridgeConfig | None:
+    """The :class:`KvBridgeConfig` from a command's parsed ``--kv-*`` values (``None``: disabled).
+
+    ``overrides`` set other fields (e.g. ``dp_ranks`` from discovery). Raises
+    :class:`KvConfigError` (a ``click.BadParameter`` is left to the caller) for bad values.
+    """
+    if not values.get("kv_events", True):
+        return None
+    replay = values.get("kv_replay")
+    if replay is not None and replay.strip().lower() in ("", "none", "off"):
+        replay = None
+    config = KvBridgeConfig(
+        publish_endpoint=values["kv_publish"],
+        replay_endpoint=replay,
+        buffer_steps=values["kv_buffer_steps"],
+        topic=values["kv_topic"],
+        hwm=values["kv_hwm"],
+        advertise_host=values.get("kv_advertise_host") or None,
+        **overrides,
+    )
+    config.validate()
+    return config
+
+
+__all__ = ["KvConfigError", "kv_bridge_config", "kv_bridge_options"]

@@ -1,0 +1,219 @@
+"""Fault switches of the simulated engines (``--fault NAME[=VALUE]``, repeatable).
+
+Engine-wide faults (``--fault``):
+
+=========================  ================================================================
+``slow-start[=S]``         Health reports STARTING for S seconds (default 2) after serving
+                           begins; Generate answers UNAVAILABLE meanwhile.
+``unhealthy[=AFTER_S]``    Health reports NOT_READY (with a failing ``model`` check) from
+                           AFTER_S seconds (default 0) after start; generation still works.
+``wrong-revision[=N]``     ServerInfo.schema_revision = N (default 0, invalid).
+``wrong-min-client[=N]``   ServerInfo.minimum_client_revision = N (default 4).
+``wrong-release[=S]``      ServerInfo.schema_release = S (default ``main``).
+``wrong-role[=ROLE]``      ServerInfo advertises ROLE (default: the next role) while the
+                           engine keeps behaving as ``--role``.
+``no-drain``               Drain answers UNIMPLEMENTED.
+``ignore-abort``           Abort answers ABORTED but the request keeps running.
+``drop-aborts[=N]``        The first N Abort calls (default: all) fail with UNAVAILABLE;
+                           they still count in ``aborts_received``.
+``kv-gap[=N]``             KV events: skip a sequence number after N batches (default 1).
+``kv-publisher-restart[=N]`` KV events: the publisher restarts at sequence 0 after N batches.
+``kv-history-lost[=N]``    KV events: batch N (default 1) is lost with all older history.
+``kv-tagged-arrays``       KV events (ZMQ): events as tagged arrays instead of maps.
+=========================  ================================================================
+
+Stream faults — engine-wide with ``--fault``, or for one request through
+``GenerateRequest.extra`` ``{"mock": {"faults": ["stall=2"]}}``. N counts token events
+sent on the stream (over all outputs):
+
+=============================  ============================================================
+``close-without-terminal[=N]`` end the stream OK after N token events, no terminal (default 1)
+``error-after[=N]``            one terminal ``EngineError`` (INTERNAL, retryable) after N
+                               token events (default 1)
+``crash-after[=N]``            the process exits (status 70) after N token events (default 1)
+``stall[=N]``                  stop sending after N token events (default 1); the request
+                               stays running until Abort or the client leaves
+``no-usage``                   the final event carries no Usage
+``token-after-finish``         one more TokenOutput for an output after its finish
+=============================  ============================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+
+
+class FaultSpecError(ValueError):
+    """A ``--fault`` value that names no fault or has a malformed value."""
+
+
+STREAM_FAULTS = frozenset(
+    {"close-without-terminal", "error-after", "crash-after", "stall", "no-usage", "token-after-finish"}
+)
+ENGINE_FAULTS = frozenset(
+    {
+        "slow-start",
+        "unhealthy",
+        "wrong-revision",
+        "wrong-min-client",
+        "wrong-release",
+        "wrong-role",
+        "no-drain",
+        "ignore-abort",
+        "drop-aborts",
+        "kv-gap",
+        "kv-publisher-restart",
+        "kv-history-lost",
+        "kv-tagged-arrays",
+    }
+)
+ALL_FAULTS = STREAM_FAULTS | ENGINE_FAULTS
+_ROLES = ("aggregated", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class StreamFaults:
+    """Faults applied to a Generate stream (None = off)."""
+
+    close_without_terminal: int | None = None
+    error_after: int | None = None
+    crash_after: int | None = None
+    stall: int | None = None
+    no_usage: bool = False
+    token_after_finish: bool = False
+
+    @property
+    def any(self) -> bool:
+        return self != StreamFaults()
+
+    def merged(self, other: StreamFaults) -> StreamFaults:
+        """``other``'s switches on top of ours."""
+        changes = {k: v for k, v in other.__dict__.items() if v not in (None, False)}
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Every fault switch of one engine."""
+
+    slow_start: float | None = None
+    unhealthy_after: float | None = None
+    wrong_revision: int | None = None
+    wrong_min_client: int | None = None
+    wrong_release: str | None = None
+    wrong_role: str | None = None
+    no_drain: bool = False
+    ignore_abort: bool = False
+    drop_aborts: int | None = None  # -1 = all
+    kv_gap: int | None = None
+    kv_publisher_restart: int | None = None
+    kv_history_lost: int | None = None
+    kv_tagged_arrays: bool = False
+    stream: StreamFaults = field(default_factory=StreamFaults)
+
+    def kv_options(self) -> dict[str, object]:
+        """The KV-event faults, for the KV publishers (absent when off)."""
+        out: dict[str, object] = {}
+        if self.kv_gap is not None:
+            out["kv_gap"] = self.kv_gap
+        if self.kv_publisher_restart is not None:
+            out["kv_publisher_restart"] = self.kv_publisher_restart
+        if self.kv_history_lost is not None:
+            out["kv_history_lost"] = self.kv_history_lost
+        if self.kv_tagged_arrays:
+            out["kv_tagged_arrays"] = True
+        return out
+
+
+def _int(name: str, value: str | None, default: int, minimum: int = 0) -> int:
+    if value is None:
+        return default
+    try:
+        n = int(value)
+    except ValueError:
+        raise FaultSpecError(f"fault {name}: expected an integer, got {value!r}") from None
+    if n < minimum:
+        raise FaultSpecError(f"fault {name}: must be >= {minimum}, got {n}")
+    return n
+
+
+def _float(name: str, value: str | None, default: float) -> float:
+    if value is None:
+        return default
+    try:
+        x = float(value)
+    except ValueError:
+        raise FaultSpecError(f"fault {name}: expected seconds, got {value!r}") from None
+    if x < 0:
+        raise FaultSpecError(f"fault {name}: must be >= 0, got {x}")
+    return x
+
+
+def _split(spec: str) -> tuple[str, str | None]:
+    name, sep, value = spec.strip().partition("=")
+    name = name.strip().lower().replace("_", "-")
+    if name not in ALL_FAULTS:
+        raise FaultSpecError(f"unknown fault {name!r}; known: {', '.join(sorted(ALL_FAULTS))}")
+    return name, (value.strip() if sep else None)
+
+
+def parse_stream_faults(specs: Iterable[str]) -> StreamFaults:
+    """Parse stream-fault specs only (the per-request ``extra`` form)."""
+    kw: dict[str, object] = {}
+    for spec in specs:
+        name, value = _split(spec)
+        if name not in STREAM_FAULTS:
+            raise FaultSpecError(
+                f"fault {name!r} is engine-wide; only {sorted(STREAM_FAULTS)} apply per request"
+            )
+        _stream_fault(name, value, kw)
+    return StreamFaults(**kw)  # type: ignore[arg-type]
+
+
+def _stream_fault(name: str, value: str | None, kw: dict[str, object]) -> None:
+    if name in ("no-usage", "token-after-finish"):
+        if value is not None:
+            raise FaultSpecError(f"fault {name} takes no value")
+        kw[name.replace("-", "_")] = True
+    else:
+        kw[name.replace("-", "_")] = _int(name, value, 1)
+
+
+def parse_faults(specs: Iterable[str], *, role: str = "aggregated") -> Faults:
+    """Parse ``--fault`` values. Raises :class:`FaultSpecError` on a bad spec."""
+    kw: dict[str, object] = {}
+    stream_kw: dict[str, object] = {}
+    for spec in specs:
+        name, value = _split(spec)
+        if name in STREAM_FAULTS:
+            _stream_fault(name, value, stream_kw)
+        elif name == "slow-start":
+            kw["slow_start"] = _float(name, value, 2.0)
+        elif name == "unhealthy":
+            kw["unhealthy_after"] = _float(name, value, 0.0)
+        elif name == "wrong-revision":
+            kw["wrong_revision"] = _int(name, value, 0)
+        elif name == "wrong-min-client":
+            kw["wrong_min_client"] = _int(name, value, 4)
+        elif name == "wrong-release":
+            kw["wrong_release"] = value if value is not None else "main"
+        elif name == "wrong-role":
+            if value is None:
+                value = _ROLES[(_ROLES.index(role) + 1) % len(_ROLES)] if role in _ROLES else "prefill"
+            if value not in _ROLES:
+                raise FaultSpecError(f"fault wrong-role: expected one of {_ROLES}, got {value!r}")
+            kw["wrong_role"] = value
+        elif name == "drop-aborts":
+            kw["drop_aborts"] = _int(name, value, -1)
+        elif name == "kv-gap":
+            kw["kv_gap"] = _int(name, value, 1)
+        elif name == "kv-publisher-restart":
+            kw["kv_publisher_restart"] = _int(name, value, 1)
+        elif name == "kv-history-lost":
+            kw["kv_history_lost"] = _int(name, value, 1)
+        else:  # flags
+            if value is not None:
+                raise FaultSpecError(f"fault {name} takes no value")
+            kw[name.replace("-", "_")] = True
+    return Faults(stream=StreamFaults(**stream_kw), **kw)  # type: ignore[arg-type]

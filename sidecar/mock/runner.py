@@ -1,0 +1,375 @@
+"""Drives one accepted Generate request: queue wait, prefill, handoff, token stream.
+
+``run_request(engine, req, send)`` sends every response of the request through
+``send`` (the gRPC stream's ``send_message``) and ends the request with exactly one
+outcome. Cancellation (client reset, deadline, server shutdown) arrives as
+``asyncio.CancelledError`` at whatever is awaited; the request is then handed to
+:meth:`MockEngine.client_gone` (leaked or released) and the error propagates.
+
+Aborts wake the request wherever it waits (queue, per-token pause, stall, KV
+handoff); an aggregated/decode request then ends every unfinished output with
+``GenerationFinished{CANCELLED}`` (Usage on the last), a prefill request with
+``EngineError{CANCELLED}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from sidecar.mock import events as ev
+from sidecar.mock import generator as gen
+from sidecar.mock import transfer as xfer
+from sidecar.mock.engine import ABORTED, COMPLETED, DROPPED, FAILED, MockEngine, Request
+from sidecar.mock.kvcache import KvCacheFull, compute_block_hashes
+from sidecar.openengine import pb
+
+log = logging.getLogger(__name__)
+
+Send = Callable[[Any], Awaitable[None]]
+T = TypeVar("T")
+CRASH_EXIT_STATUS = 70
+_FAST_YIELD_EVERY = 32
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _ClientGone(Exception):
+    """Sending failed at the transport: the client is no longer there."""
+
+
+class _Ended(Exception):
+    """The stream ended (terminal sent or fault); ``outcome`` says how."""
+
+    def __init__(self, outcome: str) -> None:
+        self.outcome = outcome
+
+
+def resolve(fut: asyncio.Future[None]) -> None:
+    """Complete ``fut`` unless it is already done (a timer or wake-up callback)."""
+    if not fut.done():
+        fut.set_result(None)
+
+
+async def _pause(req: Request, seconds: float) -> None:
+    """Sleep ``seconds`` (forever if None-like < 0) unless an abort wakes the request first."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[None] = loop.create_future()
+    req.waiter = fut
+    handle = loop.call_later(seconds, resolve, fut) if seconds >= 0 else None
+    try:
+        if req.abort_reason is None:
+            await fut
+    finally:
+        if handle is not None:
+            handle.cancel()
+        req.waiter = None
+    if req.abort_reason is not None:
+        raise _Aborted
+
+
+async def _abortable(req: Request, coro: Awaitable[T]) -> T:
+    """Await ``coro`` unless an abort comes first (then it is cancelled and _Aborted raised)."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(coro)
+    fut: asyncio.Future[None] = loop.create_future()
+    req.waiter = fut
+    try:
+        if req.abort_reason is None:
+            waiting: set[asyncio.Future[Any]] = {task, fut}
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        req.waiter = None
+        if not task.done():
+            task.cancel()
+            try:
+                await task
+            except BaseException:
+                pass
+    if req.abort_reason is not None and not (
+        task.done() and not task.cancelled() and task.exception() is None
+    ):
+        raise _Aborted
+    return task.result()
+
+
+class _Stream:
+    """State of one request's response stream."""
+
+    def __init__(self, engine: MockEngine, req: Request, send: Send) -> None:
+        self.engine = engine
+        self.req = req
+        self.send_raw = send
+        self.plan = req.plan
+        self.faults = engine.config.faults.stream.merged(req.plan.stream_faults)
+        self.tokens_sent = 0
+        self.fast = engine.config.fast
+        self.fast_tokens = ev.FastTokens(req.id) if self.fast and not req.plan.output_logprobs else None
+        delay = req.plan.token_delay_ms
+        self.delay = engine.config.token_delay_s if delay is None else delay / 1000.0
+        self.cached: int | None = None
+
+    def usage(self) -> pb.Usage | None:
+        if self.faults.no_usage:
+            return None
+        return ev.usage(len(self.plan.prompt_ids), self.req.completion_tokens, self.cached)
+
+    async def send(self, message: Any) -> None:
+        try:
+            await self.send_raw(message)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:
+            raise _ClientGone(f"{type(err).__name__}: {err}") from err
+
+    async def fail(self, code: pb.ErrorCode, message: str, *, retryable: bool) -> None:
+        await self.send(ev.error_event(self.req.id, code, message, retryable=retryable, use=self.usage()))
+        raise _Ended(FAILED)
+
+    async def after_token(self) -> None:
+        """Stream faults keyed on the number of token events sent."""
+        f, n = self.faults, self.tokens_sent
+        if f.crash_after is not None and n >= f.crash_after:
+            log.error("fault crash-after=%d: exiting", f.crash_after)
+            exit_process = self.engine.exit_process or os._exit
+            exit_process(CRASH_EXIT_STATUS)
+        if f.error_after is not None and n >= f.error_after:
+            await self.fail(pb.ErrorCode.INTERNAL, f"injected fault after {n} token(s)", retryable=True)
+        if f.close_without_terminal is not None and n >= f.close_without_terminal:
+            raise _Ended(DROPPED)
+        if f.stall is not None and n >= f.stall:
+            await _pause(self.req, -1.0)
+
+
+async def run_request(engine: MockEngine, req: Request, send: Send) -> None:
+    """Serve ``req`` to its end (see the module doc). Re-raises cancellation."""
+    stream = _Stream(engine, req, send)
+    outcome = FAILED
+    try:
+        try:
+            await _run(stream)
+            outcome = COMPLETED
+        except _Ended as end:
+            outcome = end.outcome
+        except _Aborted:
+            await _send_cancelled(stream)
+            outcome = ABORTED
+    except asyncio.CancelledError:
+        engine.client_gone(req)
+        raise
+    except _ClientGone as gone:
+        log.info("request %s: client gone while sending (%s)", req.id, gone)
+        engine.client_gone(req)
+        return
+    except Exception:
+        log.exception("request %s failed inside the mock engine", req.id)
+        engine.finish(req, FAILED)
+        raise
+    if outcome == DROPPED:
+        log.info("fault close-without-terminal: request %s stream closed", req.id)
+    engine.finish(req, outcome)
+
+
+async def _send_cancelled(stream: _Stream) -> None:
+    req = stream.req
+    reason = req.abort_reason or "abort"
+    if stream.engine.config.role == "prefill":
+        await stream.send(
+            ev.error_event(
+                req.id,
+                pb.ErrorCode.CANCELLED,
+                f"request aborted ({reason})",
+                retryable=False,
+                use=stream.usage(),
+            )
+        )
+        return
+    pending = stream.req.extra.get("pending_outputs", list(range(stream.plan.num_outputs)))
+    for k, index in enumerate(pending):
+        last = k == len(pending) - 1
+        await stream.send(
+            ev.finished_event(
+                req.id, index, None, stream.usage() if last else None, message=f"aborted ({reason})"
+            )
+        )
+
+
+async def _run(stream: _Stream) -> None:
+    engine, req, plan = stream.engine, stream.req, stream.plan
+    # 1. Wait for a running slot.
+    while not req.running:
+        await _pause(req, -1.0)
+    if req.alloc is None:
+        try:
+            engine.allocate(req)
+        except KvCacheFull as err:
+            await stream.fail(pb.ErrorCode.OVERLOADED, f"KV cache full: {err}", retryable=True)
+    assert req.alloc is not None
+    stream.cached = req.alloc.cached_tokens
+    req.phase = "prefill"
+    # 2. Decode: receive the prefill's KV over the transfer protocol.
+    if engine.config.role == "decode":
+        await _receive_kv(stream)
+    elif engine.config.first_token_delay_s > 0:
+        await _pause(req, engine.config.first_token_delay_s)
+    if req.abort_reason is not None:
+        raise _Aborted
+    # 3. Prompt logprobs.
+    if plan.prompt_logprobs is not None:
+        scores = gen.prompt_scores(plan.prompt_ids, plan.prompt_logprobs.start, plan.prompt_logprobs.spec)
+        await stream.send(ev.prompt_event(req.id, scores))
+    # 4. Prefill: hand the KV over and end with PrefillReady.
+    if engine.config.role == "prefill":
+        await _hand_off(stream)
+        return
+    req.phase = "decode"
+    await _generate(stream)
+
+
+async def _receive_kv(stream: _Stream) -> None:
+    engine, req, plan = stream.engine, stream.req, stream.plan
+    locator = req.locator
+    assert locator is not None
+    timeout = engine.config.bootstrap_timeout_s + 10.0 if locator.mode == "bootstrap" else 10.0
+    try:
+        payload = await _abortable(req, xfer.fetch_session(locator, timeout=timeout))
+        expected = compute_block_hashes(
+            plan.prompt_ids,
+            engine.config.kv_block_size,
+            lora_id=plan.lora.lora_id if plan.lora else None,
+            media_hashes=plan.media,
+            cache_salt=plan.cache_salt or None,
+        )
+        xfer.verify_payload(payload, expected, block_size=engine.config.kv_block_size)
+    except xfer.KvTransferError as err:
+        await stream.fail(err.code, str(err), retryable=err.retryable)
+
+
+async def _hand_off(stream: _Stream) -> None:
+    engine, req, plan = stream.engine, stream.req, stream.plan
+    server = engine.transfer
+    if server is None:
+        await stream.fail(
+            pb.ErrorCode.KV_TRANSFER_FAILED, "no KV transfer server on this engine", retryable=False
+        )
+        return
+    alloc = req.alloc
+    assert alloc is not None
+    cache = engine.caches[req.rank]
+    spec = engine.flavor
+    first = gen.OutputSequence(
+        seed=gen.output_seed(plan.seed, 0, plan.greedy),
+        rules=plan.rules,
+        greedy=plan.greedy,
+        forced=plan.forced,
+    ).next_step()
+    req.phase = "handoff"
+    if req.room is not None:
+        session = plan.kv_session
+        assert session is not None and session.bootstrap is not None
+        sid = session.session_id or f"room-{req.room}"
+        payload = xfer.KvSessionPayload.from_allocation(sid, alloc)
+        req.extra["blocks_handed_off"] = True
+        try:
+            await _abortable(
+                req, server.send_bootstrap(req.room, payload, release=lambda: cache.release(alloc))
+            )
+        except xfer.KvTransferError as err:
+            await stream.fail(err.code, str(err), retryable=err.retryable)
+        ref = xfer.sglang_session_ref(
+            bootstrap=session.bootstrap,
+            session_id=sid,
+            dp_rank=req.rank,
+            transfer_backend=spec.transfer_backend,
+        )
+    elif spec.handoff_profile == xfer.TRTLLM_PROFILE:
+        ctx_id = xfer.new_ctx_request_id()
+        payload = xfer.KvSessionPayload.from_allocation(str(ctx_id), alloc)
+        server.hold(payload, release=lambda: cache.release(alloc))
+        req.extra["blocks_handed_off"] = True
+        req.session_id = payload.session_id
+        ref = xfer.trtllm_session_ref(
+            ctx_request_id=ctx_id,
+            endpoint=server.endpoint,
+            payload=payload,
+            first_gen_tokens=[first.token_id],
+            dp_rank=req.rank,
+            transfer_backend=spec.transfer_backend,
+        )
+    else:
+        sid = f"{req.id}@{engine.instance_id}"
+        payload = xfer.KvSessionPayload.from_allocation(sid, alloc)
+        server.hold(payload, release=lambda: cache.release(alloc))
+        req.extra["blocks_handed_off"] = True
+        req.session_id = sid
+        ref = xfer.vllm_session_ref(
+            session_id=sid,
+            engine_id=engine.instance_id,
+            endpoint=server.endpoint,
+            num_blocks=payload.num_blocks,
+            dp_rank=req.rank,
+            tp_size=engine.config.tp_size,
+            transfer_backend=spec.transfer_backend,
+        )
+    await stream.send(ev.prefill_ready_event(req.id, ref, stream.usage()))
+
+
+async def _generate(stream: _Stream) -> None:
+    engine, req, plan = stream.engine, stream.req, stream.plan
+    n = plan.num_outputs
+    outputs = [
+        gen.OutputSequence(
+            seed=gen.output_seed(plan.seed, i, plan.greedy),
+            rules=plan.rules,
+            greedy=plan.greedy,
+            logprobs=plan.output_candidates,
+            with_logprobs=plan.output_logprobs,
+            forced=plan.forced,
+        )
+        for i in range(n)
+    ]
+    active = list(range(n))
+    req.extra["pending_outputs"] = active
+    cache = engine.caches[req.rank]
+    fast = stream.fast_tokens
+    delay = stream.delay
+    steps = 0
+    while active:
+        if delay > 0:
+            await _pause(req, delay)
+        elif not stream.fast or steps % _FAST_YIELD_EVERY == 0:
+            await asyncio.sleep(0)
+            if req.abort_reason is not None:
+                raise _Aborted
+        steps += 1
+        for index in list(active):
+            step = outputs[index].next_step()
+            req.completion_tokens += 1
+            if index == 0 and req.alloc is not None and not req.alloc.released:
+                try:
+                    cache.extend(req.alloc, (step.token_id,))
+                except KvCacheFull:
+                    pass  # the mock keeps generating without caching further blocks
+            if fast is not None:
+                await stream.send(fast.event(index, step))
+            else:
+                await stream.send(ev.token_event(req.id, index, step))
+            stream.tokens_sent += 1
+            if step.finish is not None:
+                active.remove(index)
+                last = not active
+                await stream.send(
+                    ev.finished_event(req.id, index, step.finish, stream.usage() if last else None)
+                )
+                if stream.faults.token_after_finish:
+                    extra = gen.Step(step.token_id, "", None, None)
+                    await stream.send(ev.token_event(req.id, index, extra))
+            if active:
+                await stream.after_token()
+            if req.abort_reason is not None and active:
+                raise _Aborted

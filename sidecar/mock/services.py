@@ -1,0 +1,128 @@
+"""The simulated engine's gRPC services (``Inference`` and ``Control``) over :class:`MockEngine`.
+
+Refusals become non-OK statuses through :class:`~sidecar.openengine.server.RpcStatusError`;
+this module never imports grpclib.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from sidecar.mock import drain as drain_mod
+from sidecar.mock.engine import MockEngine
+from sidecar.mock.kvevents import UnknownDpRank
+from sidecar.mock.lora import LoraError
+from sidecar.mock.runner import run_request
+from sidecar.mock.validation import Rejection
+from sidecar.openengine import pb
+from sidecar.openengine.server import RpcStatusError, request_metadata
+
+log = logging.getLogger(__name__)
+
+
+def _status(rej: Rejection | LoraError) -> RpcStatusError:
+    return RpcStatusError(rej.status, rej.message)
+
+
+class InferenceService(pb.InferenceBase):
+    """``Inference.Generate``: validation and admission, then :func:`run_request`."""
+
+    def __init__(self, engine: MockEngine) -> None:
+        self.engine = engine
+
+    async def generate(  # type: ignore[override]
+        self, message: pb.GenerateRequest, send: Callable[[Any], Awaitable[None]]
+    ) -> None:
+        engine = self.engine
+        engine.counters.streams_open += 1
+        try:
+            try:
+                req = engine.accept(message, request_metadata())
+            except Rejection as rej:
+                raise _status(rej) from None
+            await run_request(engine, req, send)
+        finally:
+            engine.counters.streams_open -= 1
+
+
+class ControlService(pb.ControlBase):
+    """``Control``: discovery, health, load, Abort, Drain, LoRA and KV-event sources."""
+
+    def __init__(self, engine: MockEngine) -> None:
+        self.engine = engine
+
+    async def get_server_info(self, message: pb.GetServerInfoRequest) -> pb.ServerInfo:
+        return self.engine.server_info()
+
+    async def get_model_info(self, message: pb.GetModelInfoRequest) -> pb.ModelInfo:
+        try:
+            return self.engine.model_info(message.model)
+        except Rejection as rej:
+            raise _status(rej) from None
+
+    async def get_load(self, message: pb.GetLoadRequest) -> pb.LoadInfo:
+        return self.engine.load(message.include_per_rank)
+
+    async def health(self, message: pb.HealthRequest) -> pb.HealthResponse:
+        return self.engine.health(message)
+
+    async def abort(self, message: pb.AbortRequest) -> pb.AbortResponse:
+        try:
+            return self.engine.abort(message)
+        except Rejection as rej:
+            raise _status(rej) from None
+
+    async def drain(self, message: pb.DrainRequest) -> AsyncIterator[pb.DrainResponse]:
+        try:
+            async for response in drain_mod.drain(self.engine, message):
+                yield response
+        except Rejection as rej:
+            raise _status(rej) from None
+
+    async def load_lora(self, message: pb.LoadLoraRequest) -> pb.LoadLoraResponse:
+        try:
+            adapter, already = self.engine.loras.load(message.adapter)
+        except LoraError as err:
+            raise _status(err) from None
+        return pb.LoadLoraResponse(adapter=adapter.to_pb(), already_loaded=already)
+
+    async def unload_lora(self, message: pb.UnloadLoraRequest) -> pb.UnloadLoraResponse:
+        try:
+            adapter = self.engine.loras.unload(message.lora_name)
+        except LoraError as err:
+            raise _status(err) from None
+        return pb.UnloadLoraResponse(adapter=adapter.to_pb())
+
+    async def list_loras(self, message: pb.ListLorasRequest) -> pb.ListLorasResponse:
+        if not self.engine.loras.enabled:
+            raise RpcStatusError("FAILED_PRECONDITION", "LoRA is disabled on this engine")
+        return pb.ListLorasResponse(adapters=[a.to_pb() for a in self.engine.loras.adapters()])
+
+    async def get_kv_event_sources(
+        self, message: pb.GetKvEventSourcesRequest
+    ) -> pb.GetKvEventSourcesResponse:
+        events = self.engine.kv_events
+        if events is None:
+            return pb.GetKvEventSourcesResponse()
+        try:
+            return events.sources(list(message.data_parallel_ranks))  # type: ignore[no-any-return]
+        except UnknownDpRank as err:
+            raise RpcStatusError("INVALID_ARGUMENT", str(err)) from None
+
+    async def subscribe_kv_events(
+        self, message: pb.SubscribeKvEventsRequest
+    ) -> AsyncIterator[pb.SubscribeKvEventsResponse]:
+        events = self.engine.kv_events
+        if events is None or not hasattr(events, "subscribe"):
+            raise RpcStatusError(
+                "UNIMPLEMENTED", "this engine publishes KV events over ZMQ (GetKvEventSources)"
+            )
+        try:
+            sub = events.subscribe(message)
+        except UnknownDpRank as err:
+            raise RpcStatusError("INVALID_ARGUMENT", str(err)) from None
+        async with sub:
+            async for response in sub:
+                yield response

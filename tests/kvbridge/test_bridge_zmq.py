@@ -1,0 +1,313 @@
+"""The bridge end to end over real ZMQ sockets: fake engine publishers in, independent consumer out."""
+
+from __future__ import annotations
+
+import random
+from functools import partial
+
+import pytest
+import trio
+import zmq
+
+from sidecar.kvbridge import GrpcSource, KvConfigError, ZmqSource, run_kv_bridge
+from sidecar.kvbridge.service import KvBridgeConfig
+from tests.kvbridge import gen
+from tests.kvbridge.consumer import Consumer, decode_payload
+from tests.kvbridge.fake_engine import END, FakeEngine, zrecv
+from tests.kvbridge.helpers import CLEARED, Metrics, flat, start_bridge
+
+
+def source(eng: FakeEngine, rank: int = 0) -> ZmqSource:
+    return ZmqSource(rank, eng.endpoint, eng.topic.decode(), eng.replay_endpoint)
+
+
+@pytest.mark.parametrize(
+    ("style", "hash_kind", "negative"),
+    [
+        ("vllm-map", "int", False),
+        ("vllm-map", "bytes", False),
+        ("vllm-array", "int", True),
+        ("vllm-array", "bytes", False),
+        ("sglang", "int", False),
+        ("sglang-array", "int", True),
+    ],
+)
+async def test_every_event_once_in_order(style: str, hash_kind: str, negative: bool) -> None:
+    rng = random.Random(style + hash_kind)
+    batches = [gen.batch(rng, 16, hash_kind=hash_kind, style=style) for _ in range(60)]
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n, FakeEngine(n, style=style, negative_hashes=negative) as eng:
+            m = Metrics()
+            info = await start_bridge(n, [source(eng)], topic="out")
+            (rank,) = info.ranks
+            assert rank.source == "zmq" and rank.source_endpoint == eng.endpoint
+            await eng.wait_subscribed()
+            async with Consumer(rank.publish_endpoint, rank.replay_endpoint, b"out") as c:
+                for b in batches:
+                    eng.publish(b)
+                events = await c.collect_events(16 * 60)
+                assert events == flat(batches)
+                assert all(r.rank == 0 for r in c.received)
+                assert len(c.received) == 60
+            assert m.delta("events_in") == m.delta("events_out") == 16 * 60
+            assert m.delta("batches_out") == 60
+            assert m.delta("gaps") == 0 and m.delta("resyncs", reason="no_replay") == 0
+            assert eng.replay_requests == []
+            n.cancel_scope.cancel()
+
+
+async def test_injected_gap_is_replayed() -> None:
+    rng = random.Random(1)
+    batches = [gen.batch(rng, 4) for _ in range(30)]
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n, FakeEngine(n) as eng:
+            m = Metrics()
+            info = await start_bridge(n, [source(eng)])
+            await eng.wait_subscribed()
+            async with Consumer(info.ranks[0].publish_endpoint, info.ranks[0].replay_endpoint) as c:
+                for i, b in enumerate(batches):
+                    eng.publish(b, send=not 10 <= i < 15)
+                assert await c.collect_events(4 * 30) == flat(batches)
+            assert eng.replay_requests == [10]
+            assert m.delta("gaps") == 1 and m.delta("replays", outcome="ok") == 1
+            assert m.delta("resyncs", reason="history_lost") == 0
+            n.cancel_scope.cancel()
+
+
+async def test_lost_history_clears_then_continues_live() -> None:
+    rng = random.Random(2)
+    batches = [gen.batch(rng, 3, clears=False) for _ in range(16)]
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n, FakeEngine(n, buffer_steps=3) as eng:
+            m = Metrics()
+            info = await start_bridge(n, [source(eng)])
+            await eng.wait_subscribed()
+            async with Consumer(info.ranks[0].publish_endpoint, info.ranks[0].replay_endpoint) as c:
+                for i, b in enumerate(batches[:13]):
+                    eng.publish(b, send=not 5 <= i < 12)  # the engine keeps only 10, 11, 12 by then
+                first = [*flat(batches[:5]), CLEARED, *flat(batches[10:13])]
+                assert await c.collect_events(len(first)) == first
+                for b in batches[13:]:
+                    eng.publish(b)
+                expected = [*first, *flat(batches[13:])]
+                assert await c.collect_events(len(expected)) == expected
+            assert eng.replay_requests == [5]
+            assert m.delta("resyncs", reason="history_lost") == 1 and m.delta("gaps") == 1
+            n.cancel_scope.cancel()
+
+
+async def test_gap_without_replay_endpoint_clears() -> None:
+    rng = random.Random(3)
+    batches = [gen.batch(rng, 2, clears=False) for _ in range(4)]
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n, FakeEngine(n, replay=False) as eng:
+            m = Metrics()
+            info = await start_bridge(n, [source(eng)])
+            await eng.wait_subscribed()
+            async with Consumer(info.ranks[0].publish_endpoint, info.ranks[0].replay_endpoint) as c:
+                for i, b in enumerate(batches):
+                    eng.publish(b, send=i != 2)
+                expected = [*flat(batches[:2]), CLEARED, *flat(batches[3:])]
+                assert await c.collect_events(len(expected)) == expected
+            assert m.delta("resyncs", reason="no_replay") == 1
+            n.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("first_new_sent", [True, False])
+async def test_publisher_restart_is_detected(first_new_sent: bool) -> None:
+    rng = random.Random(4)
+    old = [gen.batch(rng, 2, clears=False) for _ in range(5)]
+    new = [gen.batch(rng, 2, clears=False) for _ in range(3)]
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n, FakeEngine(n) as eng:
+            m = Metrics()
+            info = await start_bridge(n, [source(eng)])
+            await eng.wait_subscribed()
+            async with Consumer(info.ranks[0].publish_endpoint, info.ranks[0].replay_endpoint) as c:
+                for b in old:
+                    eng.publish(b)
+                await c.collect_events(len(flat(old)))
+                await eng.restart()  # a new engine process on the same ports
+                await eng.wait_subscribed()  # the bridge's SUB reconnected
+                for i, b in enumerate(new):  # the new process's seq 0 may be missed live
+                    eng.publish(b, send=first_new_sent or i > 0)
+                expected = [*flat(old), CLEARED, *flat(new)]
+                assert await c.collect_events(len(expected)) == expected
+            assert m.delta("resyncs", reason="restart") == 1
+            assert m.delta("resyncs", reason="history_lost") == 0
+            n.cancel_scope.cancel()
+
+
+async def test_malformed_engine_payload_resyncs() -> None:
+    rng = random.Random(5)
+    batches = [gen.batch(rng, 2, clears=False) for _ in range(4)]
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n, FakeEngine(n) as eng:
+            m = Metrics()
+            info = await start_bridge(n, [source(eng)])
+            await eng.wait_subscribed()
+            async with Consumer(info.ranks[0].publish_endpoint, info.ranks[0].replay_endpoint) as c:
+                for i, b in enumerate(batches):
+                    eng.publish(b, payload=b"\xc1garbage" if i == 2 else None)
+                eng.pub.send_multipart([b"kv", b"short", b"x"])  # type: ignore[union-attr]
+                expected = [*flat(batches[:2]), CLEARED, *flat(batches[3:])]
+                assert await c.collect_events(len(expected)) == expected
+            assert m.delta("decode_errors") == 2 and m.delta("resyncs", reason="decode_error") == 1
+            n.cancel_scope.cancel()
+
+
+async def test_two_ranks_two_engine_flavours() -> None:
+    rng = random.Random(6)
+    per_rank = {
+        r: [gen.batch(rng, 8, style=s) for _ in range(20)] for r, s in ((0, "vllm-map"), (1, "sglang"))
+    }
+    with trio.fail_after(10):
+        async with (
+            trio.open_nursery() as n,
+            FakeEngine(n, rank=0, style="vllm-map") as e0,
+            FakeEngine(n, rank=1, style="sglang") as e1,
+        ):
+            info = await start_bridge(n, [source(e1, 1), source(e0, 0)])
+            assert [r.rank for r in info.ranks] == [1, 0]
+            assert (
+                len({r.publish_endpoint for r in info.ranks} | {r.replay_endpoint for r in info.ranks}) == 4
+            )
+            d = info.to_dict()
+            assert d["format"] == "vllm-zmq" and {r["dpRank"] for r in d["ranks"]} == {0, 1}
+            await e0.wait_subscribed()
+            await e1.wait_subscribed()
+            for i in range(20):
+                e0.publish(per_rank[0][i])
+                e1.publish(per_rank[1][i])
+            for r in info.ranks:
+                async with Consumer(r.publish_endpoint, r.replay_endpoint) as c:
+                    assert await c.collect_events(8 * 20) == flat(per_rank[r.rank])
+                    assert {p.rank for p in c.received} == {r.rank}
+            n.cancel_scope.cancel()
+
+
+async def test_replay_from_our_router_including_an_expired_start() -> None:
+    rng = random.Random(7)
+    batches = [gen.batch(rng, 2) for _ in range(12)]
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n, FakeEngine(n) as eng:
+            m = Metrics()
+            info = await start_bridge(n, [source(eng)], buffer_steps=5, topic="t")
+            (rank,) = info.ranks
+            await eng.wait_subscribed()
+            async with Consumer(rank.publish_endpoint, rank.replay_endpoint, b"t") as c:
+                for i, b in enumerate(batches):  # lock-step, so the small buffer never loses anything
+                    eng.publish(b)
+                    await c.collect(lambda rs, i=i: len(rs) > i)
+                assert [r.seq for r in c.received] == list(range(12)) and not c.lost
+                requests_before = m.delta("replay_requests_served")
+
+                async def ask(start: int) -> list[int]:
+                    got = await c.replay(start)
+                    assert all(t == b"t" for t, _, _ in got)
+                    for _, seq, payload in got:
+                        _ts, events, r = decode_payload(payload)
+                        assert events == batches[seq] and r == 0
+                    return [seq for _, seq, _ in got]
+
+                assert await ask(0) == [7, 8, 9, 10, 11]  # expired: from the oldest held batch
+                assert await ask(9) == [9, 10, 11]
+                assert await ask(11) == [11]
+                assert await ask(12) == []
+                assert await ask(2**64 - 1) == []
+                assert m.delta("replay_requests_served") - requests_before == 5
+
+                # a request without delimiter is answered in kind; a malformed one gets the end marker
+                dealer = c.ctx.socket(zmq.DEALER)
+                dealer.connect(rank.replay_endpoint)  # type: ignore[arg-type]
+                dealer.send_multipart([(10).to_bytes(8, "big")])
+                assert [f[1] for f in [await zrecv(dealer), await zrecv(dealer)]] == [
+                    b"\x00" * 7 + b"\x0a",
+                    b"\x00" * 7 + b"\x0b",
+                ]
+                assert await zrecv(dealer) == [b"", END, b""]
+                dealer.send_multipart([b"", b"bad"])
+                assert await zrecv(dealer) == [b"", b"", END, b""]
+                dealer.close(linger=0)
+            n.cancel_scope.cancel()
+
+
+async def test_bad_config_and_bind_failure_raise_before_started() -> None:
+    with trio.fail_after(5):
+        async with trio.open_nursery() as n:
+            with pytest.raises(KvConfigError):
+                await n.start(
+                    partial(
+                        run_kv_bridge, KvBridgeConfig(buffer_steps=0), sources=[ZmqSource(0, "tcp://h:1")]
+                    )
+                )
+            with pytest.raises(KvConfigError):
+                await n.start(run_kv_bridge, KvBridgeConfig())  # neither sources nor a client
+            with pytest.raises(KvConfigError):
+                two = [ZmqSource(0, "tcp://h:1"), ZmqSource(0, "tcp://h:2")]
+                await n.start(partial(run_kv_bridge, KvBridgeConfig(), sources=two))
+            with pytest.raises(KvConfigError):
+                await n.start(partial(run_kv_bridge, KvBridgeConfig(), sources=[GrpcSource(0)]))  # no client
+            ctx = zmq.Context()
+            taken = ctx.socket(zmq.PUB)
+            taken.bind("tcp://127.0.0.1:0")
+            endpoint = taken.getsockopt(zmq.LAST_ENDPOINT).decode()
+            try:
+                with pytest.raises(OSError):
+                    await start_bridge(n, [ZmqSource(0, "tcp://127.0.0.1:9")], publish_endpoint=endpoint)
+            finally:
+                ctx.destroy(linger=0)
+
+
+async def test_cancel_closes_every_socket() -> None:
+    with trio.fail_after(5):
+        async with trio.open_nursery() as n, FakeEngine(n) as eng:
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as inner:
+                    info = await start_bridge(inner, [source(eng)])
+                    scope.cancel()
+            # the ports are free again: bind them ourselves
+            ctx = zmq.Context()
+            try:
+                for ep in (info.ranks[0].publish_endpoint, info.ranks[0].replay_endpoint):
+                    s = ctx.socket(zmq.PUB)
+                    s.bind(ep)  # type: ignore[arg-type]
+                    s.close(linger=0)
+            finally:
+                ctx.destroy(linger=0)
+            n.cancel_scope.cancel()
+
+
+async def test_crashed_ingest_is_resynced_and_restarted(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sidecar.kvbridge import decode_msgpack
+
+    real = decode_msgpack.MsgpackBatchDecoder.decode
+    boom = {"armed": True}
+
+    def flaky(self: decode_msgpack.MsgpackBatchDecoder, payload: bytes) -> object:
+        if payload == b"BOOM" and boom.pop("armed", False):
+            raise RuntimeError("a bug")
+        return real(self, payload)
+
+    monkeypatch.setattr(decode_msgpack.MsgpackBatchDecoder, "decode", flaky)
+    rng = random.Random(8)
+    batches = [gen.batch(rng, 2, clears=False) for _ in range(6)]
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n, FakeEngine(n) as eng:
+            m = Metrics()
+            info = await start_bridge(n, [source(eng)], backoff_max=0.01)
+            await eng.wait_subscribed()
+            async with Consumer(info.ranks[0].publish_endpoint, info.ranks[0].replay_endpoint) as c:
+                for b in batches[:2]:
+                    eng.publish(b)
+                await c.collect_events(4)
+                eng.publish([], payload=b"BOOM")
+                await eng.wait_subscribed()  # the restarted ingest subscribed again
+                for b in batches[2:]:
+                    eng.publish(b)
+                # after the resync the new ingest replays the engine's history from 0; the
+                # payload that crashed the old one now fails to decode: resync again
+                expected = [*flat(batches[:2]), CLEARED, *flat(batches[:2]), CLEARED, *flat(batches[2:])]
+                assert await c.collect_events(len(expected)) == expected
+            assert m.delta("resyncs", reason="ingest_restart") == 1
+            n.cancel_scope.cancel()

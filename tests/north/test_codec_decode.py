@@ -1,0 +1,282 @@
+"""Decoding client frames (sidecar.north.codec.decode_frame): commands, and every validation error."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import msgspec
+import pytest
+
+from sidecar.north import codec, wire
+from sidecar.north.codec import (
+    CallCommand,
+    CancelCommand,
+    Encoding,
+    FrameDecodeError,
+    GenerateCommand,
+    ProtocolError,
+    decode_frame,
+)
+from sidecar.openengine import pb
+
+
+def as_json(obj: Any) -> str:
+    return json.dumps(obj)
+
+
+def as_msgpack(obj: Any) -> bytes:
+    return msgspec.msgpack.encode(obj)
+
+
+BOTH = pytest.mark.parametrize("pack", [as_json, as_msgpack], ids=["json", "msgpack"])
+
+
+@BOTH
+def test_generate(pack: Any) -> None:
+    frame = pack(
+        {
+            "type": "generate",
+            "stream": 7,
+            "request": {
+                "model": "m",
+                "prompt": "hi",
+                "stopping": {"maxTokens": 4},
+                "sampling": {"seed": "9"},
+            },
+            "metadata": {
+                "openengine-routing-key": "abc",
+                "traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01",
+            },
+        }
+    )
+    cmd = decode_frame(frame)
+    assert isinstance(cmd, GenerateCommand)
+    assert cmd.stream == 7
+    assert cmd.encoding is (Encoding.JSON if pack is as_json else Encoding.MSGPACK)
+    assert (
+        cmd.request.prompt == "hi"
+        and cmd.request.stopping is not None
+        and cmd.request.stopping.max_tokens == 4
+    )
+    assert cmd.request.sampling is not None and cmd.request.sampling.seed == 9
+    assert cmd.metadata["openengine-routing-key"] == "abc"
+    assert cmd.kv_session_bytes is None
+    assert codec.engine_request(cmd) is cmd.request
+
+
+def test_generate_msgpack_bin_bytes_field() -> None:
+    frame = as_msgpack(
+        {
+            "type": "generate",
+            "stream": "s",
+            "request": {"media": [{"modality": "MODALITY_IMAGE", "rawBytes": b"\x89PNG"}]},
+        }
+    )
+    cmd = decode_frame(frame)
+    assert isinstance(cmd, GenerateCommand)
+    assert cmd.request.media[0].raw_bytes == b"\x89PNG"
+
+
+@BOTH
+def test_metadata_and_params_may_be_null_or_absent(pack: Any) -> None:
+    cmd = decode_frame(pack({"type": "generate", "stream": "a", "request": {}, "metadata": None}))
+    assert isinstance(cmd, GenerateCommand) and cmd.metadata == {}
+    call = decode_frame(pack({"type": "call", "call": 1, "method": "describe", "params": None}))
+    assert isinstance(call, CallCommand) and call.params == {} and call.request is None
+
+
+@BOTH
+def test_cancel(pack: Any) -> None:
+    cmd = decode_frame(pack({"type": "cancel", "stream": "abc"}))
+    assert cmd == CancelCommand("abc", Encoding.JSON if pack is as_json else Encoding.MSGPACK)
+
+
+@BOTH
+@pytest.mark.parametrize(
+    ("method", "params", "expected"),
+    [
+        ("describe", {}, None),
+        ("load", {"includePerRank": True}, pb.GetLoadRequest(include_per_rank=True)),
+        ("health", {"includeInferenceProbe": True}, pb.HealthRequest(include_inference_probe=True)),
+        ("listLoras", {}, pb.ListLorasRequest()),
+        (
+            "loadLora",
+            {"adapter": {"loraId": "3", "loraName": "a", "sourcePath": "/a"}},
+            pb.LoadLoraRequest(adapter=pb.LoraAdapter(lora_id=3, lora_name="a", source_path="/a")),
+        ),
+        ("unloadLora", {"loraName": "a"}, pb.UnloadLoraRequest(lora_name="a")),
+    ],
+)
+def test_call(pack: Any, method: str, params: dict[str, Any], expected: Any) -> None:
+    cmd = decode_frame(pack({"type": "call", "call": "c1", "method": method, "params": params}))
+    assert isinstance(cmd, CallCommand)
+    assert (cmd.call, cmd.method, cmd.params) == ("c1", method, params)
+    assert cmd.request == expected
+
+
+@BOTH
+@pytest.mark.parametrize(
+    "frame",
+    [
+        ["generate"],
+        "generate",
+        {"type": "bogus", "stream": 1},
+        {"stream": 1},
+        {"type": "cancel"},
+        {"type": "cancel", "stream": True},
+        {"type": "cancel", "stream": 1.5},
+        {"type": "cancel", "stream": -1},
+        {"type": "cancel", "stream": 2**53},
+        {"type": "cancel", "stream": ""},
+        {"type": "cancel", "stream": "x" * (wire.MAX_ID_LENGTH + 1)},
+        {"type": "cancel", "stream": None},
+        {"type": "cancel", "stream": 1, "extra": 1},
+        {"type": "generate", "stream": [1], "request": {}},
+        {"type": "generate", "stream": {"a": 1}, "request": {"prompt": "x"}},
+        {"type": "call", "call": True, "method": "describe"},
+        {"type": 5},
+    ],
+)
+def test_protocol_error_unattributed(pack: Any, frame: Any) -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode_frame(pack(frame))
+    err = info.value
+    assert err.stream is None and err.call is None
+    reply = codec.error_reply(err)
+    assert isinstance(reply, wire.ProtocolErrorMessage) and reply.message
+
+
+@BOTH
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ({"request": None}, "request"),
+        ({}, "missing required field `request`"),
+        ({"request": []}, "request"),
+        ({"request": {"prompt": 1}}, "request.prompt: expected a string"),
+        ({"request": {"unknownField": 1}}, "unknown field 'unknownField'"),
+        ({"request": {"prompt": "a", "tokenIds": {"ids": [1]}}}, "oneof"),
+        ({"request": {}, "metadata": {"k": 1}}, "metadata"),
+        ({"request": {}, "metadata": []}, "metadata"),
+        ({"request": {}, "metadata": {"k": "v" * (wire.MAX_METADATA_VALUE_LENGTH + 1)}}, "longer than"),
+        ({"request": {}, "metadata": {"k" * 9000: "v"}}, "exceeds"),
+        ({"request": {}, "metadata": {f"k{i}": "v" for i in range(wire.MAX_METADATA_ENTRIES + 1)}}, "keys"),
+        ({"request": {}, "metadata": {f"k{i}": "v" * 4000 for i in range(3)}}, "exceeds"),
+        ({"request": {}, "kvSessionBytes": 5}, "kvSessionBytes"),
+        ({"request": {}, "kvSessionBytes": "not base64!"}, "kvSessionBytes"),
+        ({"request": {}, "kvSessionBytes": ""}, "empty"),
+        ({"request": {}, "kvSessionBytes": base64.b64encode(b"\xff\xff").decode()}, "not a KvSessionRef"),
+        ({"request": {}, "kvSessionBytes": base64.b64encode(b"\x0a\x05ab").decode()}, "truncated"),
+        ({"request": {}, "kvSessionBytes": base64.b64encode(b"\x0b").decode()}, "wire type"),
+        ({"request": {}, "kvSessionBytes": base64.b64encode(b"\x08\x01").decode()}, "wrong wire type"),
+        ({"request": {}, "kvSessionBytes": base64.b64encode(b"\x0a\x02\xff\xfe").decode()}, "utf-8"),
+        ({"request": {}, "kvSessionBytes": base64.b64encode(b"\x3a\x02\x10\x80").decode()}, "varint"),
+        ({"request": {}, "unknown": 1}, "unknown field `unknown`"),
+    ],
+)
+def test_protocol_error_attributed_to_stream(pack: Any, extra: dict[str, Any], needle: str) -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode_frame(pack({"type": "generate", "stream": "s1", **extra}))
+    err = info.value
+    assert err.stream == "s1" and err.call is None
+    assert err.code == pb.ErrorCode.INVALID_ARGUMENT
+    assert needle in err.message
+    reply = codec.error_reply(err)
+    assert isinstance(reply, wire.End)
+    assert reply.outcome == "rejected" and reply.stream == "s1"
+    assert reply.error is not None and reply.error.code == "ERROR_CODE_INVALID_ARGUMENT"
+
+
+def test_kv_session_bytes_too_large() -> None:
+    big = b"\x0a" + b"\xff\xff\x3f" + b"x" * wire.MAX_KV_SESSION_BYTES
+    with pytest.raises(ProtocolError, match="exceeds") as info:
+        decode_frame(as_msgpack({"type": "generate", "stream": 1, "request": {}, "kvSessionBytes": big}))
+    assert info.value.stream == 1
+
+
+@BOTH
+@pytest.mark.parametrize(
+    ("frame", "code", "needle"),
+    [
+        (
+            {"type": "call", "call": 4, "method": "launchMissiles"},
+            pb.ErrorCode.UNSUPPORTED_FEATURE,
+            "unknown method",
+        ),
+        (
+            {"type": "call", "call": 4, "method": "describe", "params": {"x": 1}},
+            pb.ErrorCode.INVALID_ARGUMENT,
+            "no params",
+        ),
+        (
+            {"type": "call", "call": 4, "method": "loadLora", "params": {"x": 1}},
+            pb.ErrorCode.INVALID_ARGUMENT,
+            "unknown",
+        ),
+        (
+            {"type": "call", "call": 4, "method": "load", "params": []},
+            pb.ErrorCode.INVALID_ARGUMENT,
+            "params",
+        ),
+        ({"type": "call", "call": 4, "method": 5}, pb.ErrorCode.INVALID_ARGUMENT, "method"),
+        ({"type": "call", "call": 4}, pb.ErrorCode.INVALID_ARGUMENT, "method"),
+    ],
+)
+def test_protocol_error_attributed_to_call(pack: Any, frame: Any, code: pb.ErrorCode, needle: str) -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode_frame(pack(frame))
+    err = info.value
+    assert err.call == 4 and err.stream is None and err.code == code
+    assert needle in err.message
+    reply = codec.error_reply(err)
+    assert isinstance(reply, wire.Result) and not reply.ok and reply.error is not None
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        "",
+        "{",
+        '{"type":"cancel","stream":1}x',
+        '{"type":"cancel","stream":"\\ud800"}',
+        '{"type":"generate","stream":1,"request":{"extra":' + "[" * 100_000 + "]" * 100_000 + "}}",
+        b"",
+        b"\xc1",
+        msgspec.msgpack.encode({"type": "cancel", "stream": 1}) + b"\x00",
+        b"\x82\xa4type\xa6cancel\xa6stream\xa2\xff\xfe",  # invalid UTF-8 in a msgpack str
+        b"\x83\xa4type\xa8generate\xa6stream\x01\xa7request\x81\xa5extra" + b"\x91" * 100_000 + b"\xc0",
+    ],
+)
+def test_undecodable(frame: str | bytes) -> None:
+    with pytest.raises(FrameDecodeError):
+        decode_frame(frame)
+
+
+def test_same_id_types_are_distinct() -> None:
+    a = decode_frame(as_json({"type": "cancel", "stream": 1}))
+    b = decode_frame(as_json({"type": "cancel", "stream": "1"}))
+    assert isinstance(a, CancelCommand) and isinstance(b, CancelCommand)
+    assert a.stream == 1 and b.stream == "1" and a.stream != b.stream
+
+
+def test_limits_accept_boundaries() -> None:
+    cmd = decode_frame(
+        as_json(
+            {
+                "type": "generate",
+                "stream": "x" * wire.MAX_ID_LENGTH,
+                "request": {},
+                "metadata": {f"k{i}": "v" for i in range(wire.MAX_METADATA_ENTRIES)},
+            }
+        )
+    )
+    assert isinstance(cmd, GenerateCommand)
+    # key syntax and values are admission's (sidecar.core.metadata): passed through here
+    cmd = decode_frame(
+        as_json({"type": "generate", "stream": 1, "request": {}, "metadata": {"X-Upper": "caf\u00e9"}})
+    )
+    assert isinstance(cmd, GenerateCommand) and cmd.metadata == {"X-Upper": "caf\u00e9"}
+    assert isinstance(decode_frame(as_json({"type": "cancel", "stream": wire.MAX_ID_INT})), CancelCommand)
+    assert isinstance(decode_frame(as_json({"type": "cancel", "stream": 0})), CancelCommand)
