@@ -16,17 +16,21 @@ import json
 import logging
 import signal
 import sys
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import click
+import msgspec
 import trio
 import trio_asyncio
 
 from sidecar.cli_options import option
 from sidecar.core.lifecycle import LifecycleConfig
 from sidecar.core.sidecar import OUTCOME_SHUTDOWN, Sidecar, SidecarConfig, StartupError
+from sidecar.kvbridge import KvBridgeConfig, KvConfigError, KvSourceError, run_kv_bridge
+from sidecar.kvbridge.options import kv_bridge_config, kv_bridge_options
 from sidecar.north.http import build_app, serve_http
 from sidecar.north.ws_server import WS_PATH, NorthPlane, WsConfig
 from sidecar.openengine.client import open_engine_client
@@ -50,6 +54,7 @@ async def serve(
     http_listen: str,
     *,
     ready_file: Path | None = None,
+    kv: KvBridgeConfig | None = None,
     task_status: Any = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the sidecar until drained; ``task_status.started(dict of bound addresses)``."""
@@ -59,6 +64,7 @@ async def serve(
             card = await sidecar.startup()
             async with trio.open_nursery() as root:
                 await root.start(sidecar.supervisor.run_service)
+                await _start_kv_bridge(root, sidecar, kv)
                 log.info(
                     "engine %s %s (%s), schema revision %d, release %s; models: %s",
                     card.engine.name,
@@ -87,6 +93,31 @@ async def serve(
                 await north.close_gracefully()
                 root.cancel_scope.cancel()
     log.info("exited cleanly")
+
+
+async def _start_kv_bridge(root: trio.Nursery, sidecar: Sidecar, kv: KvBridgeConfig | None) -> None:
+    """Start the KV event bridge when enabled and the engine advertises KV event sources.
+
+    A bridge that cannot start (bad settings, a port in use, unusable sources) fails startup:
+    a router must not believe this worker publishes events it never will.
+    """
+    card = sidecar.card
+    if kv is None:
+        log.info("KV event bridge disabled (--no-kv-events)")
+        return
+    if card is None or not card.kv_event_sources:
+        log.info("engine advertises no KV event sources: KV event bridge not started")
+        return
+    kv = replace(kv, dp_ranks=tuple(card.dp_ranks))
+    try:
+        info = await root.start(partial(run_kv_bridge, kv, engine_client=sidecar.engine))
+    except (KvConfigError, KvSourceError, OSError) as err:
+        raise StartupError(f"KV event bridge: {err}") from None
+    endpoints = [r.publish_endpoint for r in info.ranks]
+    sidecar.config.kv_publish_endpoints = endpoints
+    sidecar.card = msgspec.structs.replace(card, kv_publish_endpoints=endpoints)
+    ranks = ", ".join(f"rank {r.rank}: {r.publish_endpoint} (replay {r.replay_endpoint})" for r in info.ranks)
+    log.info("KV events bridged from %s to %s", info.ranks[0].source if info.ranks else "?", ranks)
 
 
 def _hostport(host: str, port: int) -> str:
@@ -173,6 +204,7 @@ async def _drain_on_signal(sidecar: Sidecar, signals: Any) -> None:
     default=None,
     help="Write the bound addresses here (JSON) once ready.",
 )
+@kv_bridge_options
 def run(**opts: Any) -> None:
     """Serve one OpenEngine engine to routers and frontends."""
     listen = split_host_port(opts["listen"], "--listen")
@@ -206,8 +238,14 @@ def run(**opts: Any) -> None:
     )
     ready_file = Path(opts["ready_file"]) if opts["ready_file"] else None
     try:
+        kv = kv_bridge_config(opts)
+    except KvConfigError as err:
+        raise click.BadParameter(str(err), param_hint="--kv-publish/--kv-replay") from None
+    try:
         trio.run(
-            partial(serve, opts["engine"], config, ws, listen, opts["http_listen"], ready_file=ready_file)
+            partial(
+                serve, opts["engine"], config, ws, listen, opts["http_listen"], ready_file=ready_file, kv=kv
+            )
         )
     except (StartupError, EngineConfigError, BaseExceptionGroup) as err:
         leaf = _lone_leaf(err)

@@ -126,7 +126,20 @@ class Sidecar:
 async def sidecar(engine_address: str, *args: str) -> AsyncIterator[Sidecar]:
     """``openengine-sidecar run`` in front of ``engine_address`` on ephemeral ports."""
     async with spawn(
-        ["run", "--engine", engine_address, "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", *args]
+        [
+            "run",
+            "--engine",
+            engine_address,
+            "--listen",
+            "127.0.0.1:0",
+            "--http-listen",
+            "127.0.0.1:0",
+            "--kv-publish",
+            "tcp://127.0.0.1:0",
+            "--kv-replay",
+            "tcp://127.0.0.1:0",
+            *args,
+        ]
     ) as proc:
         m = await proc.wait_for_line(SIDECAR_READY)
         yield Sidecar(proc, m.group(1), m.group(2))
