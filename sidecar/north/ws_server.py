@@ -225,7 +225,8 @@ class Connection:
         send = self.send
 
         async def emit(ev: pb.GenerateResponse) -> None:
-            await send(encoder.encode(ev))
+            # prefillReady: relay the engine's KvSessionRef bytes exactly as received
+            await send(encoder.encode(ev, kv_session_bytes=getattr(ev, "raw_kv_session", None)))
 
         try:
             try:

@@ -43,6 +43,7 @@ from sidecar.openengine.errors import (
     EngineStatusError,
     EngineUnavailable,
 )
+from sidecar.openengine.rawfields import nested_field_bytes
 from sidecar.openengine.stream_rules import DrainRules, GenerateRules, KvEventRules
 
 MetadataLike = Mapping[str, str] | Collection[tuple[str, str]]
@@ -63,7 +64,11 @@ class _Codec(CodecBase):
         return bytes(message)
 
     def decode(self, data: bytes, message_type: Any) -> Any:
-        return message_type.parse(data)
+        message = message_type.parse(data)
+        if message_type is pb.GenerateResponse and message.prefill_ready is not None:
+            # Keep the engine's exact KvSessionRef bytes for a byte-for-byte handoff relay.
+            message.raw_kv_session = nested_field_bytes(data, 4, 1)
+        return message
 
 
 class _Rules(Protocol):
