@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import ssl
 import sys
 from dataclasses import replace
 from functools import partial
@@ -26,6 +27,7 @@ import msgspec
 import trio
 import trio_asyncio
 
+from sidecar import sdnotify
 from sidecar.cli_options import option
 from sidecar.core.lifecycle import LifecycleConfig
 from sidecar.core.sidecar import OUTCOME_SHUTDOWN, Sidecar, SidecarConfig, StartupError
@@ -55,6 +57,8 @@ async def serve(
     *,
     ready_file: Path | None = None,
     kv: KvBridgeConfig | None = None,
+    tls: tuple[str, str] | None = None,
+    open_probes: bool = True,
     task_status: Any = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the sidecar until drained; ``task_status.started(dict of bound addresses)``."""
@@ -76,18 +80,25 @@ async def serve(
                 )
                 await root.start(sidecar.watch_engine)
                 await root.start(sidecar.poll_load)
+                cert, key = tls if tls else (None, None)
+                app = build_app(sidecar, auth_token=ws.auth_token, open_probes=open_probes)
                 http_port = await root.start(
-                    serve_http, build_app(sidecar, auth_token=ws.auth_token), http_listen
+                    partial(serve_http, certfile=cert, keyfile=key), app, http_listen
                 )
-                north = NorthPlane(sidecar, ws)
+                north = NorthPlane(sidecar, ws, ssl_context=_server_ssl_context(tls) if tls else None)
                 ws_port = await root.start(north.serve, listen[0], listen[1])
+                secure = "s" if tls else ""
+                http_host = http_listen.rpartition(":")[0] or "127.0.0.1"
                 bound = {
-                    "ws": f"ws://{_hostport(listen[0], ws_port)}{WS_PATH}",
-                    "http": f"http://{_hostport(http_listen.rpartition(':')[0] or '127.0.0.1', http_port)}",
+                    "ws": f"ws{secure}://{_hostport(listen[0], ws_port)}{WS_PATH}",
+                    "http": f"http{secure}://{_hostport(http_host, http_port)}",
                 }
                 log.info("serving %s and %s", bound["ws"], bound["http"])
                 if ready_file is not None:
                     await trio.Path(ready_file).write_text(json.dumps(bound))
+                sdnotify.notify("READY=1", f"STATUS=serving {card.engine.name} {card.role} on {bound['ws']}")
+                if (interval := sdnotify.watchdog_interval()) is not None:
+                    root.start_soon(_watchdog, interval)
                 task_status.started(bound)
                 await _drain_on_signal(sidecar, signals)
                 await north.close_gracefully()
@@ -120,6 +131,19 @@ async def _start_kv_bridge(root: trio.Nursery, sidecar: Sidecar, kv: KvBridgeCon
     log.info("KV events bridged from %s to %s", info.ranks[0].source if info.ranks else "?", ranks)
 
 
+def _server_ssl_context(tls: tuple[str, str]) -> ssl.SSLContext:
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(*tls)
+    return context
+
+
+async def _watchdog(interval: float) -> None:
+    """Pet systemd's watchdog while the event loop runs (a hung loop stops petting)."""
+    while True:
+        sdnotify.notify("WATCHDOG=1")
+        await trio.sleep(interval)
+
+
 def _hostport(host: str, port: int) -> str:
     host = host.strip("[]")
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -128,6 +152,7 @@ def _hostport(host: str, port: int) -> str:
 async def _drain_on_signal(sidecar: Sidecar, signals: Any) -> None:
     signum = await signals.__anext__()
     log.info("%s: draining (a second signal stops at once)", signal.Signals(signum).name)
+    sdnotify.notify("STOPPING=1", "STATUS=draining")
     async with trio.open_nursery() as nursery:
 
         async def second_signal() -> None:
@@ -204,6 +229,24 @@ async def _drain_on_signal(sidecar: Sidecar, signals: Any) -> None:
     default=None,
     help="Write the bound addresses here (JSON) once ready.",
 )
+@option(
+    "--tls-cert",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Serve WebSocket and HTTP over TLS with this certificate (PEM).",
+)
+@option(
+    "--tls-key",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Private key of --tls-cert (PEM).",
+)
+@option(
+    "--open-probes/--auth-probes",
+    default=True,
+    show_default=True,
+    help="With --auth-token-file: leave /health and /ready open.",
+)
 @kv_bridge_options
 def run(**opts: Any) -> None:
     """Serve one OpenEngine engine to routers and frontends."""
@@ -237,6 +280,9 @@ def run(**opts: Any) -> None:
         auth_token=token,
     )
     ready_file = Path(opts["ready_file"]) if opts["ready_file"] else None
+    if bool(opts["tls_cert"]) != bool(opts["tls_key"]):
+        raise click.BadParameter("give both --tls-cert and --tls-key", param_hint="--tls-cert")
+    tls = (opts["tls_cert"], opts["tls_key"]) if opts["tls_cert"] else None
     try:
         kv = kv_bridge_config(opts)
     except KvConfigError as err:
@@ -244,7 +290,16 @@ def run(**opts: Any) -> None:
     try:
         trio.run(
             partial(
-                serve, opts["engine"], config, ws, listen, opts["http_listen"], ready_file=ready_file, kv=kv
+                serve,
+                opts["engine"],
+                config,
+                ws,
+                listen,
+                opts["http_listen"],
+                ready_file=ready_file,
+                kv=kv,
+                tls=tls,
+                open_probes=opts["open_probes"],
             )
         )
     except (StartupError, EngineConfigError, BaseExceptionGroup) as err:
