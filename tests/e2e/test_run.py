@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,8 @@ import trio
 from trio_websocket import ConnectionClosed, open_websocket_url
 
 from sidecar.client.sidecar_client import SidecarConnectionError, open_sidecar
+from sidecar.openengine import pb
+from sidecar.openengine.client import open_engine_client
 from tests.e2e.harness import (
     engine_counters,
     eventually,
@@ -214,7 +217,7 @@ async def test_drain_finishes_admitted_and_refuses_new(aio_loop: Any, tmp_path: 
                         await started.acquire()
                     t0 = trio.current_time()
                     sc.proc.signal(signal.SIGTERM)
-                    await sc.proc.wait_for_line(__import__("re").compile("draining"))
+                    await sc.proc.wait_for_line(re.compile("draining"))
                     assert (await http_get(sc.http + "/ready")).status_code == 503
                     async with client.generate(generate_request()) as late:
                         assert [e async for e in late] == []
@@ -421,3 +424,51 @@ async def test_unreachable_engine_times_out_at_startup_deadline(tmp_path: Path) 
         ) as proc:
             assert await proc.wait(timeout=20) == 1
         assert "not ready after 1s" in proc.lines[-1]
+
+
+async def test_second_signal_cancels_everything_at_once(aio_loop: Any, tmp_path: Path) -> None:
+    with trio.fail_after(60):
+        async with (
+            mock_engine(tmp_path, "--flavor", "vllm", "--token-delay-ms", "50") as engine,
+            sidecar(engine.address, "--drain-timeout", "60") as sc,
+        ):
+            async with open_sidecar(sc.ws) as client:
+                async with client.generate(generate_request(max_tokens=1000, requestId="slow")) as s:
+                    async for _ in s:
+                        break
+                    sc.proc.signal(signal.SIGTERM)
+                    await sc.proc.wait_for_line(re.compile("draining"))
+                    t0 = trio.current_time()
+                    sc.proc.signal(signal.SIGINT)
+                    end = await s.wait_end()
+            assert end.outcome == "cancelled"
+            assert await sc.proc.wait(timeout=10) == 0
+            assert trio.current_time() - t0 < 3  # not the 60 s grace
+            counters = await wait_engine_idle(engine.address)
+            assert counters["aborts_received_by_id"] == {"slow": 1} and counters["requests_leaked"] == 0
+
+
+@pytest.mark.parametrize("engine_has_drain", [True, False])
+async def test_drain_engine_flag(aio_loop: Any, tmp_path: Path, engine_has_drain: bool) -> None:
+    fault = [] if engine_has_drain else ["--fault", "no-drain"]
+    with trio.fail_after(60):
+        async with (
+            mock_engine(tmp_path, "--flavor", "vllm", "--token-delay-ms", "20", *fault) as engine,
+            sidecar(engine.address, "--drain-engine", "--drain-timeout", "10") as sc,
+        ):
+            async with open_sidecar(sc.ws) as client:
+                async with client.generate(generate_request(max_tokens=30, requestId="inflight")) as s:
+                    async for _ in s:
+                        break
+                    sc.proc.signal(signal.SIGTERM)
+                    end = await s.wait_end()
+            assert end.outcome == "completed"
+            assert await sc.proc.wait(timeout=15) == 0
+            log = "\n".join(sc.proc.lines)
+            if engine_has_drain:
+                assert "engine drain: DRAIN_STATE_STARTED" in log
+                async with open_engine_client(engine.address) as ec:
+                    health = await ec.health()
+                assert health.state == pb.HealthState.DRAINING
+            else:
+                assert "engine has no Drain RPC; draining locally only" in log
