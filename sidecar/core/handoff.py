@@ -32,6 +32,7 @@ from __future__ import annotations
 from sidecar.core.card import KvConnectorCard, WorkerCard
 from sidecar.core.errors import Rejection, invalid_argument, unsupported
 from sidecar.openengine import pb
+from sidecar.openengine.rawfields import WireError, parse_strict
 
 __all__ = [
     "KNOWN_HANDOFF_PROFILES",
@@ -51,60 +52,6 @@ MAX_SESSION_BYTES = 4 * 1024 * 1024
 
 # Sub-message fields of KvSessionRef and what it embeds (field number -> message name), so the
 # wire check below can descend into them; other length-delimited fields are opaque bytes.
-_SUBMESSAGES: dict[str, dict[int, str]] = {
-    "KvSessionRef": {3: "KvEndpoint", 5: "Struct", 7: "KvBootstrap"},
-    "KvBootstrap": {1: "KvEndpoint"},
-    "KvEndpoint": {},
-    "Struct": {1: "Struct.FieldsEntry"},
-    "Struct.FieldsEntry": {2: "Value"},
-    "Value": {5: "Struct", 6: "ListValue"},
-    "ListValue": {1: "Value"},
-}
-_MAX_DEPTH = 64
-
-
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(data) or shift > 63:
-            raise ValueError("truncated or overlong varint")
-        b = data[pos]
-        pos += 1
-        value |= (b & 0x7F) << shift
-        shift += 7
-        if not b & 0x80:
-            return value, pos
-
-
-def _check_wire(data: bytes, message: str, depth: int = 0) -> None:
-    """Strict protobuf wire-format walk (betterproto2's parser accepts truncated input)."""
-    if depth > _MAX_DEPTH:
-        raise ValueError("nested too deeply")
-    subs = _SUBMESSAGES[message]
-    pos = 0
-    while pos < len(data):
-        key, pos = _varint(data, pos)
-        field_no, wire = key >> 3, key & 7
-        if field_no == 0:
-            raise ValueError("field number 0")
-        if wire == 0:
-            _, pos = _varint(data, pos)
-        elif wire == 1 or wire == 5:
-            pos += 8 if wire == 1 else 4
-            if pos > len(data):
-                raise ValueError("truncated fixed-width field")
-        elif wire == 2:
-            length, pos = _varint(data, pos)
-            end = pos + length
-            if end > len(data):
-                raise ValueError("truncated length-delimited field")
-            if field_no in subs:
-                _check_wire(data[pos:end], subs[field_no], depth + 1)
-            pos = end
-        else:
-            raise ValueError(f"unsupported wire type {wire}")
-
-
 def parse_kv_session(data: bytes) -> pb.KvSessionRef:
     """Parse ``kvSessionBytes``; ``INVALID_ARGUMENT`` if empty, too large or not a ``KvSessionRef``.
 
@@ -116,11 +63,10 @@ def parse_kv_session(data: bytes) -> pb.KvSessionRef:
     if len(data) > MAX_SESSION_BYTES:
         invalid_argument(f"kvSessionBytes is larger than {MAX_SESSION_BYTES} bytes")
     try:
-        _check_wire(data, "KvSessionRef")
-        return pb.KvSessionRef.parse(data)
-    except Exception as err:  # the parser raises assorted errors on garbage
+        return parse_strict(pb.KvSessionRef, data)
+    except WireError as err:
         raise Rejection(
-            pb.ErrorCode.INVALID_ARGUMENT, f"kvSessionBytes is not a KvSessionRef ({type(err).__name__})"
+            pb.ErrorCode.INVALID_ARGUMENT, f"kvSessionBytes is not a KvSessionRef ({err})"
         ) from err
 
 
