@@ -13,7 +13,6 @@ import os
 
 import click
 
-from sidecar import __version__
 from sidecar.cli_options import option
 
 #: subcommand -> "module:attribute" of a click.Command
@@ -58,6 +57,16 @@ def _unavailable(name: str) -> click.Command:
     return _cmd
 
 
+def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    """``--version``: package version, source commit, OpenEngine schema release (sidecar.version)."""
+    if not value or ctx.resilient_parsing:
+        return
+    from sidecar.version import version_text
+
+    click.echo(version_text())
+    ctx.exit()
+
+
 def setup_logging(level: str) -> None:
     """One line per record on stderr: time, level, logger, message."""
     logging.basicConfig(
@@ -67,7 +76,14 @@ def setup_logging(level: str) -> None:
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, "--version", message="%(prog)s %(version)s")
+@click.option(
+    "--version",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_print_version,
+    help="Show the version, source commit and OpenEngine schema release, and exit.",
+)
 @option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def main(log_level: str) -> None:
     """Engine-neutral sidecar for OpenEngine v1 inference engines."""

@@ -25,6 +25,7 @@ from sidecar.core.load import LoadSnapshot, LoadStatus, LoadTracker, RankLoad
 from sidecar.core.negotiation import NegotiatedRevision
 from sidecar.openengine import pb
 from sidecar.openengine.revision import CLIENT_REVISION, OLDEST_SERVER_REVISION, SCHEMA_RELEASE
+from sidecar.version import source_commit
 
 __all__ = [
     "ROLE_AGGREGATED",
@@ -115,6 +116,8 @@ class SidecarCard(_Card):
     """This build: its version and the schema it was generated from."""
 
     version: str = __version__
+    #: Source commit of this build (:func:`sidecar.version.source_commit`).
+    commit: str = msgspec.field(default_factory=source_commit)
     schema_release: str = SCHEMA_RELEASE
     client_revision: int = CLIENT_REVISION
     oldest_server_revision: int = OLDEST_SERVER_REVISION

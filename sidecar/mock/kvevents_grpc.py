@@ -197,7 +197,7 @@ class GrpcKvEvents:
     def publish(self, dp_rank: int, events: Sequence[KvEventRecord]) -> int | None:
         state = self._state(dp_rank)
         seq = state.sequencer.next_seq
-        batch = batch_to_pb(seq, time.time_ns(), dp_rank, events)
+        batch = batch_to_pb(seq, time.time_ns(), dp_rank + self.faults.rank_offset, events)
         decision = state.sequencer.next_batch(batch)
         if decision.seq != seq:  # restarted: renumber
             batch.sequence_number = decision.seq
@@ -244,7 +244,8 @@ class GrpcKvEvents:
                     )
                 )
                 return sub
-            first.extend(batch for _, batch in seqr.buffer.since(start))
+            skip = self.faults.replay_offset if start > 0 else 0
+            first.extend(batch for _, batch in seqr.buffer.since(start + skip))
         for batch in first:
             sub._put(pb.SubscribeKvEventsResponse(batch=batch))
         self._subs.append(sub)
@@ -254,7 +255,7 @@ class GrpcKvEvents:
         events: list[KvEventRecord] = [AllBlocksCleared()]
         if state.cache is not None:
             events.extend(state.cache.snapshot_events())
-        return batch_to_pb(state.sequencer.next_seq, time.time_ns(), rank, events)
+        return batch_to_pb(state.sequencer.next_seq, time.time_ns(), rank + self.faults.rank_offset, events)
 
     def _unregister(self, sub: KvSubscription) -> None:
         if sub in self._subs:
@@ -275,9 +276,13 @@ class GrpcKvEvents:
             sources=[
                 pb.KvEventSource(
                     transport="grpc",
+                    # The engine's own gRPC server; over a Unix socket there is no host:port to
+                    # advertise, so the address is left out (clients use the connection they have).
                     endpoint_addr=pb.KvEndpoint(
                         host=self.advertise_host, port=self.advertise_port, protocol="grpc"
-                    ),
+                    )
+                    if self.advertise_port
+                    else None,
                     data_parallel_rank=r,
                     encoding="protobuf",
                     buffer_steps=self.buffer_steps,

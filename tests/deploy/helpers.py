@@ -1,0 +1,71 @@
+"""Shared facts for the deployment tests: repository paths, the CLI's defaults, tool lookup.
+
+Defaults are read from the click command objects, so a changed CLI default makes the
+deployment files' checks fail instead of silently drifting.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+
+from sidecar.cli_options import env_name
+from sidecar.run_command import run as run_command
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+LAUNCH = ROOT / "scripts" / "launch"
+
+
+def run_default(name: str) -> Any:
+    """Default of ``openengine-sidecar run``'s parameter ``name`` (python name, e.g. ``http_listen``)."""
+    for param in run_command.params:
+        if param.name == name:
+            return param.default
+    raise KeyError(name)
+
+
+def run_env_vars() -> set[str]:
+    """Every environment variable ``run`` (and the top-level group) reads."""
+    names = {env_name("--log-level")}
+    for param in run_command.params:
+        if isinstance(param, click.Option):
+            env = param.envvar
+            names.update([env] if isinstance(env, str) else list(env or ()))
+    return names
+
+
+def port_of(address: str) -> int:
+    """Port of ``host:port`` or ``tcp://host:port``."""
+    return int(address.rpartition(":")[2])
+
+
+def default_ports() -> dict[str, int]:
+    return {
+        "ws": port_of(run_default("listen")),
+        "http": port_of(run_default("http_listen")),
+        "kv-pub": port_of(run_default("kv_publish")),
+        "kv-replay": port_of(run_default("kv_replay")),
+    }
+
+
+def stop_budget(drain_timeout: float | None = None) -> float:
+    """Seconds a drain may take: drain timeout + abort timeout + 1 s (docs/LIFECYCLE.md)."""
+    drain = run_default("drain_timeout") if drain_timeout is None else drain_timeout
+    return float(drain) + float(run_default("abort_timeout")) + 1.0
+
+
+def require_tool(name: str) -> str:
+    """Path of a command-line tool; skip when absent locally, fail in CI (scripts/ci-deps installs it)."""
+    path = shutil.which(name)
+    if path is None:
+        message = f"{name} is not installed (scripts/ci-deps installs it)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
