@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import ssl
 import sys
@@ -31,6 +32,9 @@ from sidecar import sdnotify
 from sidecar.cli_options import option
 from sidecar.core.lifecycle import LifecycleConfig
 from sidecar.core.sidecar import OUTCOME_SHUTDOWN, Sidecar, SidecarConfig, StartupError
+from sidecar.dynamo.config import DynamoConfig, DynamoConfigError
+from sidecar.dynamo.options import dynamo_config, dynamo_options
+from sidecar.dynamo.plane import leave_before_drain, start_dynamo_plane
 from sidecar.kvbridge import KvBridgeConfig, KvConfigError, KvSourceError, run_kv_bridge
 from sidecar.kvbridge.options import kv_bridge_config, kv_bridge_options
 from sidecar.north.http import build_app, serve_http
@@ -59,6 +63,7 @@ async def serve(
     kv: KvBridgeConfig | None = None,
     tls: tuple[str, str] | None = None,
     open_probes: bool = True,
+    dynamo: DynamoConfig | None = None,
     task_status: Any = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the sidecar until drained; ``task_status.started(dict of bound addresses)``."""
@@ -94,13 +99,17 @@ async def serve(
                     "http": f"http{secure}://{_hostport(http_host, http_port)}",
                 }
                 log.info("serving %s and %s", bound["ws"], bound["http"])
+                # Dynamo worker plane (optional): registered last, left first on SIGTERM
+                plane = await start_dynamo_plane(root, sidecar, dynamo, kv_topic=kv.topic if kv else "")
+                if plane is not None:
+                    bound["dynamo"] = plane.path
                 if ready_file is not None:
                     await trio.Path(ready_file).write_text(json.dumps(bound))
                 sdnotify.notify("READY=1", f"STATUS=serving {card.engine.name} {card.role} on {bound['ws']}")
                 if (interval := sdnotify.watchdog_interval()) is not None:
                     root.start_soon(_watchdog, interval)
                 task_status.started(bound)
-                await _drain_on_signal(sidecar, signals)
+                await _drain_on_signal(sidecar, leave_before_drain(signals, plane))
                 await north.close_gracefully()
                 root.cancel_scope.cancel()
     log.info("exited cleanly")
@@ -224,6 +233,12 @@ async def _drain_on_signal(sidecar: Sidecar, signals: Any) -> None:
     help="Require this bearer token.",
 )
 @option(
+    "--lora-root",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Refuse loadLora calls whose source path is not under this directory (absolute).",
+)
+@option(
     "--ready-file",
     type=click.Path(dir_okay=False),
     default=None,
@@ -248,6 +263,7 @@ async def _drain_on_signal(sidecar: Sidecar, signals: Any) -> None:
     help="With --auth-token-file: leave /health and /ready open.",
 )
 @kv_bridge_options
+@dynamo_options
 def run(**opts: Any) -> None:
     """Serve one OpenEngine engine to routers and frontends."""
     listen = split_host_port(opts["listen"], "--listen")
@@ -266,6 +282,7 @@ def run(**opts: Any) -> None:
         drain_engine=opts["drain_engine"],
         health_interval=opts["health_interval"],
         load_interval=opts["load_interval"],
+        lora_root=_lora_root(opts["lora_root"]),
         lifecycle=LifecycleConfig(
             abort_timeout=opts["abort_timeout"],
             abort_retry_window=opts["abort_retry_window"],
@@ -288,6 +305,10 @@ def run(**opts: Any) -> None:
     except KvConfigError as err:
         raise click.BadParameter(str(err), param_hint="--kv-publish/--kv-replay") from None
     try:
+        dynamo = dynamo_config(opts)
+    except DynamoConfigError as err:
+        raise click.BadParameter(str(err), param_hint="--dynamo-*") from None
+    try:
         trio.run(
             partial(
                 serve,
@@ -300,6 +321,7 @@ def run(**opts: Any) -> None:
                 kv=kv,
                 tls=tls,
                 open_probes=opts["open_probes"],
+                dynamo=dynamo,
             )
         )
     except (StartupError, EngineConfigError, BaseExceptionGroup) as err:
@@ -310,6 +332,14 @@ def run(**opts: Any) -> None:
             click.echo(f"openengine-sidecar: {leaf}", err=True)
             sys.exit(1)
         raise
+
+
+def _lora_root(value: str | None) -> str | None:
+    if value is None:
+        return None
+    if not value.startswith("/"):
+        raise click.BadParameter("must be an absolute path", param_hint="--lora-root")
+    return os.path.normpath(value)
 
 
 def _lone_leaf(exc: BaseException) -> BaseException:

@@ -1,10 +1,11 @@
-"""``openengine-sidecar generate`` (and the ``disagg`` placeholder): CLI clients of a running sidecar."""
+"""``openengine-sidecar generate`` and ``disagg``: CLI clients of running sidecars."""
 
 from __future__ import annotations
 
 import os
 import signal
 import sys
+from collections.abc import Sequence
 from typing import Any, TextIO
 
 import click
@@ -12,6 +13,7 @@ import msgspec
 import trio
 
 from sidecar.cli_options import option
+from sidecar.client.disagg import DisaggFlow, open_disagg
 from sidecar.client.sidecar_client import SidecarConnectionError, SidecarStream, open_sidecar
 from sidecar.north import wire
 
@@ -173,7 +175,185 @@ def generate(
     sys.exit(status)
 
 
+async def _cancel_flow_on_sigint(scope: trio.CancelScope, err: TextIO, interrupted: list[bool]) -> None:
+    """First Ctrl-C: cancel the flow (both sides are cancelled and their ends awaited);
+    second: exit at once."""
+    with trio.open_signal_receiver(signal.SIGINT) as signals:
+        async for _ in signals:
+            if interrupted:
+                err.write("interrupted again: exiting without waiting for the sidecars\n")
+                err.flush()
+                os._exit(EXIT_INTERRUPTED)
+            interrupted.append(True)
+            err.write("cancelling both sides… (Ctrl-C again to exit at once)\n")
+            err.flush()
+            scope.cancel(reason="Ctrl-C")
+
+
+async def run_disagg(
+    prefill: Sequence[str],
+    decode: Sequence[str],
+    prompt: str,
+    *,
+    max_tokens: int | None = None,
+    model: str | None = None,
+    as_json: bool = False,
+    encoding: str = "json",
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+    handle_sigint: bool = True,
+    cancel_timeout: float = 10.0,
+    connect_timeout: float = 5.0,
+    auth_token: str | None = None,
+) -> int:
+    """One prefill/decode flow (``sidecar.client.disagg``); the decode's text goes to ``out``.
+
+    ``--json``: one line per event, ``{"phase": "prefill"|"decode", ...the event}``, then the
+    flow's end (``{"type": "end", "outcome", "error", "mode", "prefill", "decode", "room",
+    "attempts"}``). Returns the exit status (0 completed, 1 failed / rejected, 130 cancelled by
+    Ctrl-C); failures and skipped sidecars are printed to ``err``.
+    """
+    out = out or sys.stdout
+    err = err or sys.stderr
+    request: dict[str, Any] = {"prompt": prompt}
+    if model:
+        request["model"] = model
+    if max_tokens is not None:
+        request["stopping"] = {"maxTokens": max_tokens}
+    interrupted: list[bool] = []
+    wrote_text = ""
+    printed_prefill = 0
+
+    def print_prefill(flow: DisaggFlow) -> None:
+        nonlocal printed_prefill
+        for event in flow.prefill_events[printed_prefill:]:
+            out.write(_encode_json({"phase": "prefill", **msgspec.to_builtins(event)}).decode() + "\n")
+        printed_prefill = len(flow.prefill_events)
+
+    async with open_disagg(
+        prefill,
+        decode,
+        encoding=encoding,
+        connect_timeout=connect_timeout,
+        describe_timeout=connect_timeout,
+        cancel_timeout=cancel_timeout,
+        auth_token=auth_token,
+    ) as pd:
+        async with trio.open_nursery() as nursery:
+            flow_scope = trio.CancelScope()
+            if handle_sigint:
+                nursery.start_soon(_cancel_flow_on_sigint, flow_scope, err, interrupted)
+            with flow_scope:
+                async with pd.generate(request) as flow:
+                    async for event in flow:
+                        if as_json:
+                            print_prefill(flow)
+                            out.write(
+                                _encode_json({"phase": "decode", **msgspec.to_builtins(event)}).decode()
+                                + "\n"
+                            )
+                        elif event.response.token is not None and event.response.token.text:
+                            wrote_text = event.response.token.text
+                            out.write(wrote_text)
+                        out.flush()
+            nursery.cancel_scope.cancel(reason="flow ended")
+    end = flow.end
+    assert end is not None
+    if as_json:
+        print_prefill(flow)
+        out.write(_encode_json({"type": "end", **msgspec.to_builtins(end)}).decode() + "\n")
+    elif wrote_text and not wrote_text.endswith("\n"):
+        out.write("\n")
+    out.flush()
+    for attempt in end.attempts:
+        if attempt.result != "completed":
+            detail = f"{attempt.code}: {attempt.message}" if attempt.code else attempt.message
+            err.write(f"{attempt.role} {attempt.url}: {attempt.result} ({detail})\n")
+    if end.outcome == "completed":
+        return 0
+    err.write(f"{end.outcome}: {_describe(end.error)}\n")
+    if end.outcome == "cancelled" and interrupted:
+        return EXIT_INTERRUPTED
+    return 1
+
+
 @click.command("disagg")
-def disagg() -> None:
-    """Prefill/decode (disaggregated) generation across sidecars (not implemented yet)."""
-    raise click.ClickException("not implemented yet")
+@click.argument("prompt")
+@option(
+    "--prefill",
+    "prefill_urls",
+    multiple=True,
+    required=True,
+    help="Prefill sidecar WebSocket URL (repeatable: tried in order, the next when one is "
+    "unreachable or refuses with a retryable error).",
+)
+@option(
+    "--decode",
+    "decode_urls",
+    multiple=True,
+    required=True,
+    help="Decode sidecar WebSocket URL (repeatable, tried in order).",
+)
+@option("--max-tokens", type=click.IntRange(min=1), default=None, help="Stop after this many tokens.")
+@option("--model", default=None, help="Served model name or alias (default: the sidecars' model).")
+@option("--json", "as_json", is_flag=True, help="Print each event and the flow's end as JSON lines.")
+@option(
+    "--encoding",
+    type=click.Choice(["json", "msgpack"]),
+    default="json",
+    show_default=True,
+    help="Frame encoding on the WebSockets.",
+)
+@option(
+    "--connect-timeout",
+    type=click.FloatRange(min=0.1),
+    default=5.0,
+    show_default=True,
+    help="Seconds to connect to and describe one sidecar before trying the next.",
+)
+@option(
+    "--auth-token-file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="File holding the sidecars' bearer token.",
+)
+def disagg(
+    prompt: str,
+    prefill_urls: tuple[str, ...],
+    decode_urls: tuple[str, ...],
+    max_tokens: int | None,
+    model: str | None,
+    as_json: bool,
+    encoding: str,
+    connect_timeout: float,
+    auth_token_file: str | None,
+) -> None:
+    """Generate PROMPT with prefill/decode disaggregation across sidecars.
+
+    Reads the worker cards of both sides, checks they pair (roles, handoff profile, transfer
+    backend, media), then runs the handoff the connector uses: context-first (prefill, then
+    decode with its KV session) or client bootstrap (both at once, sharing a bootstrap room).
+    The decode's text goes to stdout. Ctrl-C cancels both sides and waits for them; a second
+    Ctrl-C exits at once. Exit status: 0 completed, 1 failed or rejected, 130 cancelled by Ctrl-C.
+    """
+    token = None
+    if auth_token_file:
+        with open(auth_token_file) as f:
+            token = f.read().strip()
+    try:
+        status = trio.run(
+            lambda: run_disagg(
+                prefill_urls,
+                decode_urls,
+                prompt,
+                max_tokens=max_tokens,
+                model=model,
+                as_json=as_json,
+                encoding=encoding,
+                connect_timeout=connect_timeout,
+                auth_token=token,
+            )
+        )
+    except ValueError as error:  # a malformed URL
+        raise click.BadParameter(str(error), param_hint="--prefill/--decode") from None
+    sys.exit(status)

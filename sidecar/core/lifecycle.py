@@ -202,7 +202,10 @@ class StreamSupervisor:
         try:
             with handle.scope:
                 await relay.run(self.engine)
-        except ClientGone:
+        except* ClientGone:
+            # except*: when the connection's scope was cancelled as ClientGone was raised, the
+            # upstream's helper task adds a Cancelled and the two arrive as one group; only
+            # that Cancelled (the enclosing scope's) may propagate.
             handle.cancel_reason = handle.cancel_reason or OUTCOME_CLIENT_GONE
         finally:
             try:

@@ -90,7 +90,7 @@ class LoadStatus(_LoadStruct):
     snapshot: LoadSnapshot | None = None
     #: Seconds since the snapshot was received (``None`` before the first one).
     age_s: float | None = None
-    #: True when there is no snapshot yet or it is older than the stale limit.
+    #: True when there is no snapshot yet, the last poll failed, or it is older than the stale limit.
     stale: bool = True
     #: Failed polls since start / since the last success.
     error_count: int = 0
@@ -131,7 +131,8 @@ class LoadTracker:
         return LoadStatus(
             snapshot=self._snapshot,
             age_s=None if age is None else round(age, 3),
-            stale=age is None or age > self.stale_after,
+            # the last poll failed: whatever we hold is no longer known to be current
+            stale=age is None or age > self.stale_after or self._consecutive > 0,
             error_count=self._errors,
             consecutive_errors=self._consecutive,
             last_error=self._last_error,

@@ -54,6 +54,8 @@ class SidecarConfig:
     drain_engine: bool = False
     kv_publish_endpoints: list[str] = field(default_factory=list)
     lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
+    #: ``loadLora`` source paths must lie under this directory (``run --lora-root``); None: anywhere.
+    lora_root: str | None = None
 
 
 class StartupError(Exception):
@@ -148,19 +150,39 @@ class Sidecar:
             }
         if method in ("listLoras", "loadLora", "unloadLora"):
             return await self._lora_call(method, request)
-        raise Rejection(pb.ErrorCode.INVALID_ARGUMENT, f"unknown call method {method!r}")
+        raise Rejection(pb.ErrorCode.UNSUPPORTED_FEATURE, f"unknown call method {method!r}")
 
     async def _lora_call(self, method: str, request: Any) -> Any:
+        """``listLoras`` / ``loadLora`` / ``unloadLora``: schema rules first (nothing reaches the
+        engine on a violation), then the engine, then the card's adapters are refreshed (so
+        served model names follow). Engine refusals become typed rejections (``_call_rejection``)."""
+        if method == "loadLora":
+            _check_lora_adapter(request.adapter, self.config.lora_root)
+        elif method == "unloadLora" and not request.lora_name:
+            raise Rejection(pb.ErrorCode.INVALID_ARGUMENT, "loraName must not be empty")
+        models = self.card.models if self.card is not None else []
+        if method != "listLoras" and models and all(m.supports_lora is False for m in models):
+            raise Rejection(pb.ErrorCode.UNSUPPORTED_FEATURE, "this worker's models do not support LoRA")
         with trio.move_on_after(self.config.call_timeout) as scope:
             try:
                 if method == "listLoras":
-                    return await self.engine.list_loras()
+                    listed = await self.engine.list_loras()
+                    if self.card is not None:
+                        self.card = with_loras(self.card, listed.adapters)
+                    return listed
                 if method == "loadLora":
-                    _check_lora_adapter(request.adapter)
-                    reply: Any = await self.engine.load_lora(request)
+                    try:
+                        reply: Any = await self.engine.load_lora(request)
+                    except EngineStatusError as err:
+                        # the same (id, name, path) again is a success even from an engine that
+                        # answers ALREADY_EXISTS (schema: idempotent); a real conflict stays one
+                        if err.status != "ALREADY_EXISTS":
+                            raise
+                        listed = await self.engine.list_loras()
+                        if request.adapter not in listed.adapters:
+                            raise
+                        reply = pb.LoadLoraResponse(adapter=request.adapter, already_loaded=True)
                 else:
-                    if not request.lora_name:
-                        raise Rejection(pb.ErrorCode.INVALID_ARGUMENT, "lora_name must not be empty")
                     reply = await self.engine.unload_lora(request)
             except EngineClientError as err:
                 raise _call_rejection(err) from None
@@ -170,9 +192,15 @@ class Sidecar:
         raise Rejection(pb.ErrorCode.INTERNAL, f"{method}: engine did not answer in time", True)
 
     async def _refresh_loras(self) -> None:
+        """Re-list the adapters into the card after a load/unload; on failure the card says
+        "unknown" (``None``) rather than keep a list that may be wrong."""
         if self.card is None:
             return
-        adapters = await fetch_loras(self.engine)
+        try:
+            adapters = await fetch_loras(self.engine)
+        except EngineClientError as err:
+            log.warning("ListLoras after a LoRA change failed (%s); loaded adapters unknown", err)
+            adapters = None
         self.card = with_loras(self.card, adapters)
 
     # -- startup and the engine watch ------------------------------------------------------
@@ -275,18 +303,29 @@ class Sidecar:
                 delay = min(delay * 2, cfg.reconnect_max)
 
     async def poll_load(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """GetLoad every ``load_interval``: errors are counted, the snapshot's age is kept."""
+        """GetLoad (per rank) every ``load_interval``, on a fixed schedule.
+
+        A failed poll is counted (``openengine_sidecar_load_poll_errors``, the card's
+        ``errorCount``) and marks the snapshot stale at once; the per-rank gauges are then
+        removed rather than left showing old numbers. A snapshot is also stale once older
+        than ``load_stale_after`` (at least two intervals).
+        """
+        cfg = self.config
+        self.load.stale_after = max(self.load.stale_after, 2 * cfg.load_interval)
         task_status.started()
+        next_poll = trio.current_time()
         while True:
             try:
-                with trio.fail_after(self.config.call_timeout):
+                with trio.fail_after(cfg.call_timeout):
                     info = await self.engine.get_load(include_per_rank=True)
                 self.load.record(info, now=trio.current_time())
                 _export_load(info)
             except (EngineClientError, trio.TooSlowError) as err:
                 metrics.LOAD_POLL_ERRORS.inc()
                 self.load.record_error(str(err) or "GetLoad timed out")
-            await trio.sleep(self.config.load_interval)
+                _clear_load_gauges()
+            next_poll = max(next_poll + cfg.load_interval, trio.current_time())
+            await trio.sleep_until(next_poll)
 
     # -- drain -----------------------------------------------------------------------------
 
@@ -341,8 +380,10 @@ def _drain_state_name(event: pb.DrainResponse) -> str:
     return f"{name} in_flight={event.in_flight_requests}"
 
 
-def _check_lora_adapter(adapter: pb.LoraAdapter | None) -> None:
-    """Schema rules checked before the engine: positive id, non-empty name, absolute normalized path."""
+def _check_lora_adapter(adapter: pb.LoraAdapter | None, root: str | None = None) -> None:
+    """Schema rules checked before the engine: positive id, non-empty name, absolute normalized
+    path; with ``root`` (``--lora-root``), the path must lie strictly under it. The check is
+    lexical (the engine, not the sidecar, opens the path, maybe on another filesystem)."""
     if adapter is None:
         raise Rejection(pb.ErrorCode.INVALID_ARGUMENT, "adapter is required")
     if adapter.lora_id <= 0:
@@ -350,17 +391,41 @@ def _check_lora_adapter(adapter: pb.LoraAdapter | None) -> None:
     if not adapter.lora_name:
         raise Rejection(pb.ErrorCode.INVALID_ARGUMENT, "adapter.loraName must not be empty")
     path = adapter.source_path
-    if not path.startswith("/") or os.path.normpath(path) != path:
+    if not path.startswith("/") or path.startswith("//") or os.path.normpath(path) != path:
         raise Rejection(
-            pb.ErrorCode.INVALID_ARGUMENT, "adapter.sourcePath must be an absolute, normalized path"
+            pb.ErrorCode.INVALID_ARGUMENT,
+            f"adapter.sourcePath must be an absolute, normalized path, got {path!r}",
         )
+    if root is not None:
+        base = os.path.normpath(root)
+        if path == base or os.path.commonpath([base, path]) != base:
+            raise Rejection(
+                pb.ErrorCode.INVALID_ARGUMENT,
+                f"adapter.sourcePath {path!r} is not under the LoRA root {base!r}",
+            )
+
+
+#: gRPC status of a failed LoRA call -> the code the client sees (docs/api.md "LoRA lifecycle").
+_LORA_STATUS_CODES = {
+    "NOT_FOUND": pb.ErrorCode.MODEL_NOT_FOUND,  # unknown adapter, or a source path the engine cannot see
+    "ALREADY_EXISTS": pb.ErrorCode.INVALID_ARGUMENT,  # conflicts with a loaded adapter (id, name or path)
+    "FAILED_PRECONDITION": pb.ErrorCode.UNSUPPORTED_FEATURE,  # LoRA disabled on the engine
+    "UNIMPLEMENTED": pb.ErrorCode.UNSUPPORTED_FEATURE,
+}
 
 
 def _call_rejection(err: EngineClientError) -> Rejection:
     code = err.code if err.code is not None else pb.ErrorCode.INTERNAL
-    if isinstance(err, EngineStatusError) and err.status == "NOT_FOUND":
-        code = pb.ErrorCode.REQUEST_NOT_FOUND
+    if isinstance(err, EngineStatusError):
+        code = _LORA_STATUS_CODES.get(err.status, code)
     return Rejection(code, str(err), err.retryable)
+
+
+def _clear_load_gauges() -> None:
+    from sidecar.core import load_metrics
+
+    for gauge in (load_metrics.RUNNING, load_metrics.QUEUED, load_metrics.KV_USED, load_metrics.KV_TOTAL):
+        gauge.clear()
 
 
 def _export_load(info: pb.LoadInfo) -> None:

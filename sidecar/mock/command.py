@@ -53,6 +53,12 @@ def _write_ready(path: str, info: ServingInfo) -> None:
 )
 @_opt("--model", default="", help="Served model name (default Qwen/Qwen3-0.6B).")
 @_opt("--alias", "aliases", multiple=True, help="Additional accepted model name (repeatable).")
+@_opt(
+    "--tokenizer-source",
+    default="",
+    help="TokenizerInfo.source to report, e.g. a local tokenizer directory "
+    "(default openengine-sidecar/mock-tokenizer-v1).",
+)
 @_opt("--dp-size", type=click.IntRange(1, 64), default=1, show_default=True, help="Data-parallel ranks.")
 @_opt("--tp-size", type=click.IntRange(1, 64), default=1, show_default=True)
 @_opt("--kv-block-size", type=click.IntRange(1), default=16, show_default=True)
@@ -104,6 +110,7 @@ def mock_engine(**kw: Any) -> None:
             listen=kw["listen"],
             model=kw["model"],
             aliases=tuple(kw["aliases"]),
+            tokenizer_source=kw["tokenizer_source"],
             dp_size=kw["dp_size"],
             tp_size=kw["tp_size"],
             kv_block_size=kw["kv_block_size"],

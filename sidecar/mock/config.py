@@ -30,6 +30,7 @@ class EngineConfig:
     listen: str = "127.0.0.1:0"
     model: str = ""  # "" = the flavour's default model name
     aliases: tuple[str, ...] = ()
+    tokenizer_source: str = ""  # "" = the mock tokenizer's id (TokenizerInfo.source)
     dp_size: int = 1
     tp_size: int = 1
     kv_block_size: int = 16

@@ -11,6 +11,9 @@ request is in flight and no KV session is held. Counts are always present.
   (their streams end CANCELLED) and the drain completes once they are gone;
   without it the drain completes at once, reporting what is still in flight.
 - ``--fault no-drain``: ``UNIMPLEMENTED``.
+- Contract-violation faults: ``drain-keeps-accepting`` (ignores
+  ``stop_accepting_new_requests``), ``drain-ignores-deadline`` (ignores ``deadline_ms``),
+  ``drain-early-complete`` (without a deadline: COMPLETE right after STARTED).
 """
 
 from __future__ import annotations
@@ -41,10 +44,16 @@ async def drain(engine: MockEngine, request: pb.DrainRequest) -> AsyncIterator[p
     if engine.config.faults.no_drain:
         raise Rejection("UNIMPLEMENTED", "Drain is not implemented by this engine (fault no-drain)")
     loop = asyncio.get_running_loop()
-    if request.stop_accepting_new_requests:
+    faults = engine.config.faults
+    if request.stop_accepting_new_requests and not faults.has("drain-keeps-accepting"):
         engine.draining = True
     deadline = None if request.deadline_ms is None else loop.time() + request.deadline_ms / 1000.0
+    if faults.has("drain-ignores-deadline"):
+        deadline = None
     yield _state(engine, pb.DrainState.STARTED, "drain started")
+    if faults.has("drain-early-complete") and deadline is None:
+        yield _state(engine, pb.DrainState.COMPLETE, "drained (fault: work still in flight)")
+        return
     last = (engine.in_flight, engine.open_sessions)
     last_sent = loop.time()
     aborted = False

@@ -15,6 +15,7 @@ keeps its slot and blocks until an Abort names it or ``--orphan-timeout`` passes
 from __future__ import annotations
 
 import asyncio
+import base64
 import itertools
 import logging
 import time
@@ -46,6 +47,7 @@ from sidecar.openengine import pb
 log = logging.getLogger(__name__)
 
 FINISHED_MEMORY = 100_000
+CANCEL_TIMES_KEPT = 20_000
 RECENT_REQUESTS = 64
 
 # Outcomes of a request (exactly one each).
@@ -86,6 +88,34 @@ class Request:
             self.waiter.set_result(None)
 
 
+def _recent_entry(request: pb.GenerateRequest, req: Request) -> dict[str, Any]:
+    """What ``GetLoad.attributes.recent_requests`` shows of one accepted request (for tests)."""
+    plan = req.plan
+    entry: dict[str, Any] = {
+        "rank": req.rank,
+        "metadata": dict(plan.metadata.forwarded),
+        "prompt_tokens": len(plan.prompt_ids),
+        "model": request.model,
+        "lora_name": request.lora_name,
+        # media as received, in order: modality, source kind, uuid
+        "media": [
+            {
+                "modality": pb.Modality(m.modality).proto_name,  # validated: a known modality
+                "source": betterproto2.which_one_of(m, "source")[0] or "",
+                "uuid": m.uuid,
+            }
+            for m in request.media
+        ],
+    }
+    if plan.kv_session is not None:
+        # the KvSessionRef bytes exactly as they came over the wire (see openengine.server)
+        raw = getattr(request, "raw_kv_session", None)
+        entry["kv_session_b64"] = base64.b64encode(
+            raw if raw is not None else bytes(plan.kv_session)
+        ).decode()
+    return entry
+
+
 def _resolve(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -108,7 +138,11 @@ class MockEngine:
         self.model = flavors.model_name(config)
         self.counters = Counters(config.dp_size)
         self.loras = LoraRegistry(
-            enabled=config.enable_lora, max_loras=config.max_loras, check_path=config.check_lora_path
+            enabled=config.enable_lora,
+            max_loras=config.max_loras,
+            check_path=config.check_lora_path,
+            lenient=config.faults.has("lora-lenient"),
+            idempotent=not config.faults.has("lora-not-idempotent"),
         )
         self.schedulers: list[RankScheduler[Request]] = [
             RankScheduler(r, config.max_running, config.max_queue) for r in range(config.dp_size)
@@ -123,6 +157,9 @@ class MockEngine:
         self.requests: dict[str, Request] = {}
         self.finished: OrderedDict[str, str] = OrderedDict()  # request id -> KV session id ("" none)
         self.recent: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        # Benchmark ground truth: request id -> when (µs since the epoch) the engine first saw
+        # its client leave or an Abort naming it (GetLoad with REPORT_CANCEL_TIMES metadata).
+        self.cancel_seen_us: OrderedDict[str, int] = OrderedDict()
         self.address = config.listen
         self.instance_id = flavors.instance_id(config, config.listen)
         self.started_at: float | None = None
@@ -186,7 +223,12 @@ class MockEngine:
         )
 
     def model_info(self, model: str) -> pb.ModelInfo:
-        if model and model != self.model and model not in self.config.aliases:
+        if (
+            model
+            and model != self.model
+            and model not in self.config.aliases
+            and not self.config.faults.has("any-model")
+        ):
             raise Rejection("NOT_FOUND", f"model {model!r} is not served here (serving {self.model!r})")
         return flavors.model_info(self.config)
 
@@ -248,11 +290,7 @@ class MockEngine:
         self.requests[rid] = req
         self.counters.requests_accepted += 1
         self.counters.served_by_rank[req.rank] += 1
-        self.recent[rid] = {
-            "rank": req.rank,
-            "metadata": dict(plan.metadata.forwarded),
-            "prompt_tokens": len(plan.prompt_ids),
-        }
+        self.recent[rid] = _recent_entry(request, req)
         while len(self.recent) > RECENT_REQUESTS:
             self.recent.popitem(last=False)
         self.changed.set()
@@ -290,6 +328,10 @@ class MockEngine:
             self.recent[req.id]["outcome"] = outcome
         if not req.extra.get("blocks_handed_off"):
             self.release_blocks(req)
+        if req.room is not None and outcome != COMPLETED and self.transfer is not None:
+            # an SGLang prefill that ends otherwise (aborted before its handoff, failed): its
+            # bootstrap room must not keep a registered decode waiting until the timeout
+            self.transfer.abort_room(req.room)
         for promoted in self.schedulers[req.rank].release(req):
             promoted.running = True
             promoted.wake()
@@ -311,10 +353,19 @@ class MockEngine:
             c.requests_leaked -= 1
         self.changed.set()
 
+    def note_cancel(self, request_id: str) -> None:
+        """Record when the end of ``request_id`` first reached the engine (client reset or Abort)."""
+        seen = self.cancel_seen_us
+        if request_id not in seen:
+            seen[request_id] = time.time_ns() // 1000
+            if len(seen) > CANCEL_TIMES_KEPT:
+                seen.popitem(last=False)
+
     def client_gone(self, req: Request) -> None:
         """The client closed the stream before the terminal: count it and leak or release."""
         if req.done or not req.client:
             return
+        self.note_cancel(req.id)
         req.client = False
         if self.closing:
             self.finish(req, SHUTDOWN)
@@ -386,12 +437,16 @@ class MockEngine:
         return pb.AbortResponse(status=status, message=text)
 
     def _abort(self, name: str, value: Any) -> tuple[pb.AbortStatus, str]:
-        ignore = self.config.faults.ignore_abort
+        faults = self.config.faults
+        ignore = faults.ignore_abort
         if name == "request_id":
             if not value:
                 raise Rejection("INVALID_ARGUMENT", "abort: request_id is empty")
+            if faults.has("abort-twice-error") and self.counters.aborts_received_by_id[value] > 1:
+                raise Rejection("FAILED_PRECONDITION", f"abort: request {value} was already aborted (fault)")
             req = self.requests.get(value)
             if req is not None:
+                self.note_cancel(req.id)
                 if not ignore:
                     self._abort_request(req, "abort")
                 return pb.AbortStatus.ABORTED, f"request {value} aborted"
@@ -402,7 +457,11 @@ class MockEngine:
                         pb.AbortStatus.ABORTED,
                         f"request {value} finished; its KV session {session} released",
                     )
+                if faults.has("abort-finished-aborted"):
+                    return pb.AbortStatus.ABORTED, f"request {value} aborted (fault: it had finished)"
                 return pb.AbortStatus.ALREADY_FINISHED, f"request {value} already finished"
+            if faults.has("abort-unknown-aborted"):
+                return pb.AbortStatus.ABORTED, f"request {value} aborted (fault: it never existed)"
             raise Rejection("NOT_FOUND", f"abort: no request {value!r}")
         if name == "kv_session":
             return self._abort_session(value, ignore)
@@ -416,6 +475,8 @@ class MockEngine:
                     for sid in list(self.transfer._sessions):
                         sessions += self.transfer.drop(sid)
             return pb.AbortStatus.ABORTED, f"aborted {len(reqs)} request(s) and {sessions} KV session(s)"
+        if faults.has("abort-no-target-found"):
+            raise Rejection("NOT_FOUND", "abort: nothing to abort (fault: no target)")
         raise Rejection(
             "INVALID_ARGUMENT", "abort: exactly one target (request_id, kv_session, all_requests) is required"
         )
@@ -529,7 +590,11 @@ class MockEngine:
             name="inference_probe", state=pb.HealthState.READY, message=f"generated token {step.token_id}"
         )
 
-    def load(self, include_per_rank: bool) -> pb.LoadInfo:
+    def load(
+        self, include_per_rank: bool, *, report_cancel_times: bool = False, lean: bool = False
+    ) -> pb.LoadInfo:
+        """``LoadInfo`` with the counters in ``attributes``; ``lean``: scalar counters only (the size
+        of a real engine's attributes, for benchmarks); ``report_cancel_times``: plus ``cancel_seen_us``."""
         running = sum(len(s.running) for s in self.schedulers)
         queued = sum(s.queued for s in self.schedulers)
         running_tokens = waiting_tokens = prefill = decode = 0
@@ -569,6 +634,11 @@ class MockEngine:
             ]
         attrs = self.counters.snapshot(in_flight=self.in_flight, kv_sessions_open=self.open_sessions)
         attrs["draining"] = self.draining
+        if lean:
+            info.attributes = pb.Struct.from_dict({k: v for k, v in attrs.items() if not isinstance(v, dict)})
+            return info
         attrs["recent_requests"] = dict(self.recent)
+        if report_cancel_times:
+            attrs["cancel_seen_us"] = dict(self.cancel_seen_us)
         info.attributes = pb.Struct.from_dict(attrs)
         return info

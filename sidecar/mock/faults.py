@@ -22,6 +22,37 @@ Engine-wide faults (``--fault``):
 ``kv-tagged-arrays``       KV events (ZMQ): events as tagged arrays instead of maps.
 =========================  ================================================================
 
+Contract violations (engine-wide flags, no value), one per rule the conformance suite
+(``openengine-sidecar conformance``, docs/CONFORMANCE.md) enforces, so each of its
+checks can be shown to fail:
+
+==========================  ===============================================================
+``zero-presence``           ServerInfo reports explicit zeros it should leave absent
+                            (``decode_context_parallel_size``, ``capacity.kv_block_size``).
+``phantom-alias``           ModelInfo lists an alias no call accepts.
+``any-model``               GetModelInfo answers for any model name (no NOT_FOUND).
+``kv-wildcard-source``      GetKvEventSources advertises ``0.0.0.0`` as the endpoint host.
+``kv-missing-rank``         GetKvEventSources leaves out the last DP rank.
+``kv-wrong-rank``           KV batches report DP rank + 1.
+``kv-replay-skip``          KV replay / resume starts one batch after the one asked for.
+``no-connector``            a prefill/decode engine advertises a disabled KV connector.
+``late-invalid``            a request without input is accepted, then fails with one
+                            ``EngineError{INVALID_ARGUMENT}`` (instead of a status).
+``late-role-mismatch``      a role mismatch is accepted, then fails with one
+                            ``EngineError{ROLE_MISMATCH}`` (instead of a status).
+``lenient-metadata``        malformed ``openengine-*`` numbers are ignored.
+``repeated-metadata``       repeated ``openengine-*`` keys are accepted (last wins).
+``abort-finished-aborted``  Abort of a finished request answers ABORTED.
+``abort-twice-error``       a second Abort naming a request id answers FAILED_PRECONDITION.
+``abort-no-target-found``   Abort with no target answers NOT_FOUND (not INVALID_ARGUMENT).
+``abort-unknown-aborted``   Abort of an unknown request id answers ABORTED.
+``drain-keeps-accepting``   Drain ignores ``stop_accepting_new_requests``.
+``drain-ignores-deadline``  Drain ignores ``deadline_ms`` (waits for in-flight work).
+``drain-early-complete``    Drain without a deadline sends COMPLETE right after STARTED.
+``lora-lenient``            LoadLora skips argument checks (id, name, absolute path).
+``lora-not-idempotent``     loading the same adapter twice answers ALREADY_EXISTS.
+==========================  ===============================================================
+
 Stream faults — engine-wide with ``--fault``, or for one request through
 ``GenerateRequest.extra`` ``{"mock": {"faults": ["stall=2"]}}``. N counts token events
 sent on the stream (over all outputs):
@@ -35,6 +66,14 @@ sent on the stream (over all outputs):
                                stays running until Abort or the client leaves
 ``no-usage``                   the final event carries no Usage
 ``token-after-finish``         one more TokenOutput for an output after its finish
+``no-output-index``            TokenOutput events carry no ``output_index``
+``skip-finish``                with several outputs, the first one to finish gets no
+                               ``GenerationFinished``
+``early-usage``                the first TokenOutput carries Usage too
+``prompt-twice``               PromptOutput is sent twice
+``no-stop-match``              STOP finishes carry no ``stop_match``
+``event-after-error``          one more TokenOutput after a terminal ``EngineError``
+``ignore-max-tokens``          every output generates one token more than ``max_tokens``
 =============================  ============================================================
 """
 
@@ -48,25 +87,69 @@ class FaultSpecError(ValueError):
     """A ``--fault`` value that names no fault or has a malformed value."""
 
 
-STREAM_FAULTS = frozenset(
-    {"close-without-terminal", "error-after", "crash-after", "stall", "no-usage", "token-after-finish"}
-)
-ENGINE_FAULTS = frozenset(
+#: Stream faults that are plain flags (kept in ``StreamFaults.flags``).
+STREAM_FLAGS = frozenset(
     {
-        "slow-start",
-        "unhealthy",
-        "wrong-revision",
-        "wrong-min-client",
-        "wrong-release",
-        "wrong-role",
-        "no-drain",
-        "ignore-abort",
-        "drop-aborts",
-        "kv-gap",
-        "kv-publisher-restart",
-        "kv-history-lost",
-        "kv-tagged-arrays",
+        "no-output-index",
+        "skip-finish",
+        "early-usage",
+        "prompt-twice",
+        "no-stop-match",
+        "event-after-error",
+        "ignore-max-tokens",
     }
+)
+STREAM_FAULTS = (
+    frozenset(
+        {"close-without-terminal", "error-after", "crash-after", "stall", "no-usage", "token-after-finish"}
+    )
+    | STREAM_FLAGS
+)
+#: Engine-wide contract violations that are plain flags (kept in ``Faults.flags``).
+ENGINE_FLAGS = frozenset(
+    {
+        "zero-presence",
+        "phantom-alias",
+        "any-model",
+        "kv-wildcard-source",
+        "kv-missing-rank",
+        "kv-wrong-rank",
+        "kv-replay-skip",
+        "no-connector",
+        "late-invalid",
+        "late-role-mismatch",
+        "lenient-metadata",
+        "repeated-metadata",
+        "abort-finished-aborted",
+        "abort-twice-error",
+        "abort-no-target-found",
+        "abort-unknown-aborted",
+        "drain-keeps-accepting",
+        "drain-ignores-deadline",
+        "drain-early-complete",
+        "lora-lenient",
+        "lora-not-idempotent",
+    }
+)
+ENGINE_FAULTS = (
+    frozenset(
+        {
+            "slow-start",
+            "unhealthy",
+            "wrong-revision",
+            "wrong-min-client",
+            "wrong-release",
+            "wrong-role",
+            "no-drain",
+            "ignore-abort",
+            "drop-aborts",
+            "kv-gap",
+            "kv-publisher-restart",
+            "kv-history-lost",
+            "kv-tagged-arrays",
+        }
+    )
+    | ENGINE_FLAGS
 )
 ALL_FAULTS = STREAM_FAULTS | ENGINE_FAULTS
 _ROLES = ("aggregated", "prefill", "decode")
@@ -82,15 +165,19 @@ class StreamFaults:
     stall: int | None = None
     no_usage: bool = False
     token_after_finish: bool = False
+    flags: frozenset[str] = frozenset()  # names from STREAM_FLAGS
 
     @property
     def any(self) -> bool:
         return self != StreamFaults()
 
+    def has(self, name: str) -> bool:
+        return name in self.flags
+
     def merged(self, other: StreamFaults) -> StreamFaults:
         """``other``'s switches on top of ours."""
-        changes = {k: v for k, v in other.__dict__.items() if v not in (None, False)}
-        return replace(self, **changes)
+        changes = {k: v for k, v in other.__dict__.items() if k != "flags" and v not in (None, False)}
+        return replace(self, flags=self.flags | other.flags, **changes)
 
 
 @dataclass(frozen=True)
@@ -110,7 +197,11 @@ class Faults:
     kv_publisher_restart: int | None = None
     kv_history_lost: int | None = None
     kv_tagged_arrays: bool = False
+    flags: frozenset[str] = frozenset()  # names from ENGINE_FLAGS
     stream: StreamFaults = field(default_factory=StreamFaults)
+
+    def has(self, name: str) -> bool:
+        return name in self.flags
 
     def kv_options(self) -> dict[str, object]:
         """The KV-event faults, for the KV publishers (absent when off)."""
@@ -123,6 +214,10 @@ class Faults:
             out["kv_history_lost"] = self.kv_history_lost
         if self.kv_tagged_arrays:
             out["kv_tagged_arrays"] = True
+        if self.has("kv-wrong-rank"):
+            out["kv_wrong_rank"] = True
+        if self.has("kv-replay-skip"):
+            out["kv_replay_skip"] = True
         return out
 
 
@@ -172,7 +267,12 @@ def parse_stream_faults(specs: Iterable[str]) -> StreamFaults:
 
 
 def _stream_fault(name: str, value: str | None, kw: dict[str, object]) -> None:
-    if name in ("no-usage", "token-after-finish"):
+    if name in STREAM_FLAGS:
+        if value is not None:
+            raise FaultSpecError(f"fault {name} takes no value")
+        previous: frozenset[str] = kw.get("flags", frozenset())  # type: ignore[assignment]
+        kw["flags"] = previous | {name}
+    elif name in ("no-usage", "token-after-finish"):
         if value is not None:
             raise FaultSpecError(f"fault {name} takes no value")
         kw[name.replace("-", "_")] = True
@@ -184,10 +284,15 @@ def parse_faults(specs: Iterable[str], *, role: str = "aggregated") -> Faults:
     """Parse ``--fault`` values. Raises :class:`FaultSpecError` on a bad spec."""
     kw: dict[str, object] = {}
     stream_kw: dict[str, object] = {}
+    flags: set[str] = set()
     for spec in specs:
         name, value = _split(spec)
         if name in STREAM_FAULTS:
             _stream_fault(name, value, stream_kw)
+        elif name in ENGINE_FLAGS:
+            if value is not None:
+                raise FaultSpecError(f"fault {name} takes no value")
+            flags.add(name)
         elif name == "slow-start":
             kw["slow_start"] = _float(name, value, 2.0)
         elif name == "unhealthy":
@@ -216,4 +321,4 @@ def parse_faults(specs: Iterable[str], *, role: str = "aggregated") -> Faults:
             if value is not None:
                 raise FaultSpecError(f"fault {name} takes no value")
             kw[name.replace("-", "_")] = True
-    return Faults(stream=StreamFaults(**stream_kw), **kw)  # type: ignore[arg-type]
+    return Faults(stream=StreamFaults(**stream_kw), flags=frozenset(flags), **kw)  # type: ignore[arg-type]

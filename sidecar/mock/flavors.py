@@ -195,7 +195,7 @@ def kv_connector_info(config: EngineConfig, endpoints: Sequence[pb.KvEndpoint]) 
     """The role's connector: disabled for aggregated engines; P/D roles advertise the
     flavour's handoff profile and transfer backend and the transfer ``endpoints``."""
     spec = flavor_spec(config)
-    if config.role == "aggregated":
+    if config.role == "aggregated" or config.faults.has("no-connector"):
         return pb.KvConnectorInfo(enabled=False)
     return pb.KvConnectorInfo(
         enabled=True,
@@ -219,6 +219,7 @@ def server_info(
     spec = flavor_spec(config)
     f = config.faults
     role = f.wrong_role or config.role
+    zero = f.has("zero-presence")  # fault: explicit zeros where "unknown" means absent
     return pb.ServerInfo(
         engine_name=spec.engine_name,
         engine_version=config.engine_version or spec.engine_version,
@@ -230,7 +231,7 @@ def server_info(
             pipeline_parallel_size=1,
             data_parallel_size=config.dp_size,
             data_parallel_start_rank=0,
-            decode_context_parallel_size=1,
+            decode_context_parallel_size=0 if zero else 1,
         ),
         kv_connector=kv_connector_info(config, endpoints),
         schema_revision=SCHEMA_REVISION if f.wrong_revision is None else f.wrong_revision,
@@ -239,7 +240,7 @@ def server_info(
         ),
         schema_release=SCHEMA_RELEASE if f.wrong_release is None else f.wrong_release,
         capacity=pb.DeploymentCapacity(
-            kv_block_size=config.kv_block_size,
+            kv_block_size=0 if zero else config.kv_block_size,
             total_kv_blocks=config.total_kv_blocks * config.dp_size,
             max_running_requests=config.max_running * config.dp_size,
             max_batched_tokens=spec.max_batched_tokens,
@@ -265,11 +266,12 @@ def model_info(config: EngineConfig) -> pb.ModelInfo:
     return pb.ModelInfo(
         model_id=name,
         served_model_name=name,
-        served_model_aliases=list(config.aliases),
+        served_model_aliases=list(config.aliases)
+        + ([f"{name}-phantom-alias"] if config.faults.has("phantom-alias") else []),
         max_context_length=config.max_context_length,
         max_output_tokens=config.max_output_tokens,
         tokenizer_modes=list(spec.tokenizer_modes),
-        tokenizer=pb.TokenizerInfo(source=TOKENIZER_SOURCE, mode="auto"),
+        tokenizer=pb.TokenizerInfo(source=config.tokenizer_source or TOKENIZER_SOURCE, mode="auto"),
         supports_text_input=True,
         supports_token_ids_input=True,
         generation=pb.GenerationCapabilities(

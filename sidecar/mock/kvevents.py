@@ -174,7 +174,11 @@ class ZmqKvPublisher:
     def publish(self, events: Sequence[KvEventRecord]) -> int:
         """Number, buffer and send one batch (unless a fault drops it live); returns its seq."""
         payload = encode_payload(
-            time.time(), events, self.dp_rank, style=self.style, tagged_arrays=self.faults.tagged_arrays
+            time.time(),
+            events,
+            self.dp_rank + self.faults.rank_offset,
+            style=self.style,
+            tagged_arrays=self.faults.tagged_arrays,
         )
         decision = self.sequencer.next_batch(payload)
         if decision.restarted:
@@ -225,7 +229,7 @@ class ZmqKvPublisher:
                 )
                 continue
             ident, start = frames[0], int.from_bytes(frames[2], "big")
-            held = self.sequencer.buffer.since(start)
+            held = self.sequencer.buffer.since(start + self.faults.replay_offset)
             logger.info(
                 "KV events rank %d: replay from %d: %d batches%s",
                 self.dp_rank,

@@ -197,14 +197,42 @@ class KvFaults:
       live and the buffer forgets it and everything older, so a replay asked from
       N starts later (at N+1 or the next batch) and a resume from N is refused.
     * ``kv-tagged-arrays``: msgpack events as tagged arrays (ZMQ only).
+    * ``kv-wrong-rank`` (``wrong_rank``): batches report DP rank + 1.
+    * ``kv-replay-skip`` (``replay_skip``): a ZMQ replay or a gRPC resume from S
+      starts at S + 1.
     """
 
     gap_at: int | None = None
     restart_at: int | None = None
     history_lost_at: int | None = None
     tagged_arrays: bool = False
+    wrong_rank: bool = False
+    replay_skip: bool = False
 
-    NAMES = ("kv-gap", "kv-publisher-restart", "kv-history-lost", "kv-tagged-arrays")
+    NAMES = (
+        "kv-gap",
+        "kv-publisher-restart",
+        "kv-history-lost",
+        "kv-tagged-arrays",
+        "kv-wrong-rank",
+        "kv-replay-skip",
+    )
+    _FLAGS = {
+        "kv-tagged-arrays": "tagged_arrays",
+        "kv-wrong-rank": "wrong_rank",
+        "kv-replay-skip": "replay_skip",
+    }
+
+    @property
+    def rank_offset(self) -> int:
+        """What the ``kv-wrong-rank`` fault adds to every reported DP rank."""
+        return 1 if self.wrong_rank else 0
+
+    @property
+    def replay_offset(self) -> int:
+        """What the ``kv-replay-skip`` fault adds to a replay / resume start."""
+        return 1 if self.replay_skip else 0
+
     DEFAULTS = {"kv-gap": 1, "kv-publisher-restart": 1, "kv-history-lost": 1}
 
     @classmethod
@@ -221,8 +249,8 @@ class KvFaults:
                 continue
             if name not in cls.NAMES:
                 raise ValueError(f"unknown KV fault {name!r} (known: {', '.join(cls.NAMES)})")
-            if name == "kv-tagged-arrays":
-                values["tagged_arrays"] = True
+            if name in cls._FLAGS:
+                values[cls._FLAGS[name]] = True
                 continue
             n = cls.DEFAULTS[name] if value in (None, "") else int(value)  # type: ignore[arg-type]
             if n < 0:
@@ -249,6 +277,8 @@ class KvFaults:
             restart_at=_at("kv_publisher_restart", cls.DEFAULTS["kv-publisher-restart"]),
             history_lost_at=_at("kv_history_lost", cls.DEFAULTS["kv-history-lost"]),
             tagged_arrays=tagged_arrays or bool(options.get("kv_tagged_arrays")),
+            wrong_rank=bool(options.get("kv_wrong_rank")),
+            replay_skip=bool(options.get("kv_replay_skip")),
         )
 
 

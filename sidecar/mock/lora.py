@@ -37,10 +37,20 @@ class Adapter:
 class LoraRegistry:
     """The resident adapters, in load order."""
 
-    def __init__(self, *, enabled: bool, max_loras: int, check_path: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        enabled: bool,
+        max_loras: int,
+        check_path: bool = True,
+        lenient: bool = False,
+        idempotent: bool = True,
+    ) -> None:
         self.enabled = enabled
         self.max_loras = max_loras
         self.check_path = check_path
+        self.lenient = lenient  # fault lora-lenient: no argument checks
+        self.idempotent = idempotent  # fault lora-not-idempotent: False
         self._by_name: dict[str, Adapter] = {}
 
     def _require_enabled(self) -> None:
@@ -58,16 +68,17 @@ class LoraRegistry:
         self._require_enabled()
         if adapter is None:
             raise LoraError("INVALID_ARGUMENT", "adapter is required")
-        if adapter.lora_id <= 0:
-            raise LoraError("INVALID_ARGUMENT", f"lora_id must be positive, got {adapter.lora_id}")
-        if not adapter.lora_name:
-            raise LoraError("INVALID_ARGUMENT", "lora_name must be non-empty")
         path = adapter.source_path
-        if not path or not os.path.isabs(path):
-            raise LoraError("INVALID_ARGUMENT", f"source_path must be an absolute path, got {path!r}")
+        if not self.lenient:
+            if adapter.lora_id <= 0:
+                raise LoraError("INVALID_ARGUMENT", f"lora_id must be positive, got {adapter.lora_id}")
+            if not adapter.lora_name:
+                raise LoraError("INVALID_ARGUMENT", "lora_name must be non-empty")
+            if not path or not os.path.isabs(path):
+                raise LoraError("INVALID_ARGUMENT", f"source_path must be an absolute path, got {path!r}")
         new = Adapter(adapter.lora_id, adapter.lora_name, path)
         same = self._by_name.get(new.name)
-        if same == new:
+        if same == new and self.idempotent:
             return same, True
         for old in self._by_name.values():
             if old.name == new.name or old.lora_id == new.lora_id or old.path == new.path:

@@ -15,13 +15,16 @@ handoff); an aggregated/decode request then ends every unfinished output with
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from sidecar.mock import events as ev
 from sidecar.mock import generator as gen
+from sidecar.mock import tokenizer as tok
 from sidecar.mock import transfer as xfer
 from sidecar.mock.engine import ABORTED, COMPLETED, DROPPED, FAILED, MockEngine, Request
 from sidecar.mock.kvcache import KvCacheFull, compute_block_hashes
@@ -109,7 +112,14 @@ class _Stream:
         self.faults = engine.config.faults.stream.merged(req.plan.stream_faults)
         self.tokens_sent = 0
         self.fast = engine.config.fast
-        self.fast_tokens = ev.FastTokens(req.id) if self.fast and not req.plan.output_logprobs else None
+        self.fast_tokens = (
+            ev.FastTokens(req.id)
+            if self.fast
+            and not req.plan.output_logprobs
+            and not self.faults.flags
+            and not req.plan.stamp_tokens
+            else None
+        )
         delay = req.plan.token_delay_ms
         self.delay = engine.config.token_delay_s if delay is None else delay / 1000.0
         self.cached: int | None = None
@@ -127,8 +137,15 @@ class _Stream:
         except Exception as err:
             raise _ClientGone(f"{type(err).__name__}: {err}") from err
 
-    async def fail(self, code: pb.ErrorCode, message: str, *, retryable: bool) -> None:
+    async def send_error(self, code: pb.ErrorCode, message: str, *, retryable: bool) -> None:
+        """The terminal ``EngineError`` (fault ``event-after-error``: plus one more token event)."""
         await self.send(ev.error_event(self.req.id, code, message, retryable=retryable, use=self.usage()))
+        if self.faults.has("event-after-error"):
+            extra = gen.Step(tok.EOS_ID, "", None, None)
+            await self.send(ev.token_event(self.req.id, 0, extra))
+
+    async def fail(self, code: pb.ErrorCode, message: str, *, retryable: bool) -> None:
+        await self.send_error(code, message, retryable=retryable)
         raise _Ended(FAILED)
 
     async def after_token(self) -> None:
@@ -179,15 +196,7 @@ async def _send_cancelled(stream: _Stream) -> None:
     req = stream.req
     reason = req.abort_reason or "abort"
     if stream.engine.config.role == "prefill":
-        await stream.send(
-            ev.error_event(
-                req.id,
-                pb.ErrorCode.CANCELLED,
-                f"request aborted ({reason})",
-                retryable=False,
-                use=stream.usage(),
-            )
-        )
+        await stream.send_error(pb.ErrorCode.CANCELLED, f"request aborted ({reason})", retryable=False)
         return
     pending = stream.req.extra.get("pending_outputs", list(range(stream.plan.num_outputs)))
     for k, index in enumerate(pending):
@@ -223,6 +232,8 @@ async def _run(stream: _Stream) -> None:
     if plan.prompt_logprobs is not None:
         scores = gen.prompt_scores(plan.prompt_ids, plan.prompt_logprobs.start, plan.prompt_logprobs.spec)
         await stream.send(ev.prompt_event(req.id, scores))
+        if stream.faults.has("prompt-twice"):
+            await stream.send(ev.prompt_event(req.id, scores))
     # 4. Prefill: hand the KV over and end with PrefillReady.
     if engine.config.role == "prefill":
         await _hand_off(stream)
@@ -322,10 +333,15 @@ async def _hand_off(stream: _Stream) -> None:
 async def _generate(stream: _Stream) -> None:
     engine, req, plan = stream.engine, stream.req, stream.plan
     n = plan.num_outputs
+    faults = stream.faults
+    rules = plan.rules
+    if faults.has("ignore-max-tokens"):
+        rules = dataclasses.replace(rules, max_tokens=rules.max_tokens + 1)
+    skip_finish = faults.has("skip-finish")
     outputs = [
         gen.OutputSequence(
             seed=gen.output_seed(plan.seed, i, plan.greedy),
-            rules=plan.rules,
+            rules=rules,
             greedy=plan.greedy,
             logprobs=plan.output_candidates,
             with_logprobs=plan.output_logprobs,
@@ -357,15 +373,30 @@ async def _generate(stream: _Stream) -> None:
                     pass  # the mock keeps generating without caching further blocks
             if fast is not None:
                 await stream.send(fast.event(index, step))
+            elif plan.stamp_tokens:  # benchmark: the text is the engine's send time (ns since the epoch)
+                await stream.send(
+                    ev.token_event(req.id, index, gen.Step(step.token_id, str(time.time_ns()), None, None))
+                )
+            elif faults.flags:
+                token = ev.token_event(req.id, index, step)
+                if faults.has("no-output-index"):
+                    token.token.output_index = None  # type: ignore[union-attr]
+                if faults.has("early-usage") and stream.tokens_sent == 0:
+                    token.usage = stream.usage()
+                await stream.send(token)
             else:
                 await stream.send(ev.token_event(req.id, index, step))
             stream.tokens_sent += 1
             if step.finish is not None:
                 active.remove(index)
                 last = not active
-                await stream.send(
-                    ev.finished_event(req.id, index, step.finish, stream.usage() if last else None)
-                )
+                finished = ev.finished_event(req.id, index, step.finish, stream.usage() if last else None)
+                if faults.has("no-stop-match"):
+                    finished.finished.stop_match = None  # type: ignore[union-attr]
+                if skip_finish and not last:
+                    skip_finish = False  # fault: this output never gets its GenerationFinished
+                else:
+                    await stream.send(finished)
                 if stream.faults.token_after_finish:
                     extra = gen.Step(step.token_id, "", None, None)
                     await stream.send(ev.token_event(req.id, index, extra))

@@ -10,16 +10,22 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import betterproto2
+
 from sidecar.mock import drain as drain_mod
 from sidecar.mock.engine import MockEngine
 from sidecar.mock.kvevents import UnknownDpRank
 from sidecar.mock.lora import LoraError
 from sidecar.mock.runner import run_request
-from sidecar.mock.validation import Rejection
+from sidecar.mock.validation import Rejection, RoleMismatch
 from sidecar.openengine import pb
 from sidecar.openengine.server import RpcStatusError, request_metadata
 
 log = logging.getLogger(__name__)
+
+#: GetLoad metadata asking for ``attributes.cancel_seen_us``: {request id: µs since the epoch when
+#: the engine first saw its client leave or an Abort naming it} (benchmarks: cancel -> engine).
+REPORT_CANCEL_TIMES = ("mock-report", "cancel-times")
 
 
 def _status(rej: Rejection | LoraError) -> RpcStatusError:
@@ -36,15 +42,35 @@ class InferenceService(pb.InferenceBase):
         self, message: pb.GenerateRequest, send: Callable[[Any], Awaitable[None]]
     ) -> None:
         engine = self.engine
+        faults = engine.config.faults
         engine.counters.streams_open += 1
         try:
+            if faults.has("late-invalid") and not betterproto2.which_one_of(message, "input")[0]:
+                await _late_failure(
+                    send, message, pb.ErrorCode.INVALID_ARGUMENT, "no input (fault late-invalid)"
+                )
+                return
             try:
                 req = engine.accept(message, request_metadata())
+            except RoleMismatch as rej:
+                if not faults.has("late-role-mismatch"):
+                    raise _status(rej) from None
+                await _late_failure(send, message, pb.ErrorCode.ROLE_MISMATCH, rej.message)
+                return
             except Rejection as rej:
                 raise _status(rej) from None
             await run_request(engine, req, send)
         finally:
             engine.counters.streams_open -= 1
+
+
+async def _late_failure(
+    send: Callable[[Any], Awaitable[None]], message: pb.GenerateRequest, code: pb.ErrorCode, text: str
+) -> None:
+    """Faults ``late-invalid`` / ``late-role-mismatch``: accept, then fail with one EngineError."""
+    error = pb.EngineError(code=code, message=text, retryable=False)
+    usage = pb.Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
+    await send(pb.GenerateResponse(request_id=message.request_id, error=error, usage=usage))
 
 
 class ControlService(pb.ControlBase):
@@ -63,7 +89,8 @@ class ControlService(pb.ControlBase):
             raise _status(rej) from None
 
     async def get_load(self, message: pb.GetLoadRequest) -> pb.LoadInfo:
-        return self.engine.load(message.include_per_rank)
+        report = REPORT_CANCEL_TIMES in request_metadata()
+        return self.engine.load(message.include_per_rank, report_cancel_times=report)
 
     async def health(self, message: pb.HealthRequest) -> pb.HealthResponse:
         return self.engine.health(message)
@@ -107,9 +134,17 @@ class ControlService(pb.ControlBase):
         if events is None:
             return pb.GetKvEventSourcesResponse()
         try:
-            return events.sources(list(message.data_parallel_ranks))  # type: ignore[no-any-return]
+            reply: pb.GetKvEventSourcesResponse = events.sources(list(message.data_parallel_ranks))
         except UnknownDpRank as err:
             raise RpcStatusError("INVALID_ARGUMENT", str(err)) from None
+        faults = self.engine.config.faults
+        if faults.has("kv-missing-rank") and reply.sources:
+            reply.sources = reply.sources[:-1]
+        if faults.has("kv-wildcard-source"):
+            for source in reply.sources:
+                if source.endpoint_addr is not None:
+                    source.endpoint_addr.host = "0.0.0.0"
+        return reply
 
     async def subscribe_kv_events(
         self, message: pb.SubscribeKvEventsRequest

@@ -46,6 +46,13 @@ class Rejection(Exception):
         self.message = message
 
 
+class RoleMismatch(Rejection):
+    """The request does not fit the engine's role (``FAILED_PRECONDITION``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("FAILED_PRECONDITION", message)
+
+
 def _invalid(message: str) -> Rejection:
     return Rejection("INVALID_ARGUMENT", message)
 
@@ -65,11 +72,18 @@ class RoutingMetadata:
     forwarded: dict[str, str] = field(default_factory=dict)
 
 
-def parse_metadata(pairs: Sequence[tuple[str, str | bytes]], dp_size: int) -> RoutingMetadata:
+def parse_metadata(
+    pairs: Sequence[tuple[str, str | bytes]],
+    dp_size: int,
+    *,
+    lenient: bool = False,
+    allow_repeats: bool = False,
+) -> RoutingMetadata:
     """Check the OpenEngine keys (docs/api.md "gRPC request metadata").
 
     At most one value per ``openengine-*`` key; numbers are base-10 ``uint32`` / ``int32``;
     a target rank must name one of this server's ranks. Unknown keys are ignored.
+    Faults: ``lenient`` ignores malformed numbers, ``allow_repeats`` keeps the last value.
     """
     seen: dict[str, str] = {}
     forwarded: dict[str, str] = {}
@@ -78,7 +92,7 @@ def parse_metadata(pairs: Sequence[tuple[str, str | bytes]], dp_size: int) -> Ro
         if not (key.startswith("openengine-") or key in TRACE_KEYS):
             continue
         value = raw.decode("ascii", "replace") if isinstance(raw, bytes) else raw
-        if key in seen:
+        if key in seen and not allow_repeats:
             raise _invalid(f"metadata key {key!r} sent more than once")
         seen[key] = value
         forwarded[key] = value
@@ -89,16 +103,20 @@ def parse_metadata(pairs: Sequence[tuple[str, str | bytes]], dp_size: int) -> Ro
     if KEY_TARGET_RANK in seen:
         text = seen[KEY_TARGET_RANK]
         if not _UINT32.fullmatch(text) or int(text) > 0xFFFFFFFF:
-            raise _invalid(f"{KEY_TARGET_RANK} must be a base-10 uint32, got {text!r}")
-        target = int(text)
-        if target >= dp_size:
+            if not lenient:
+                raise _invalid(f"{KEY_TARGET_RANK} must be a base-10 uint32, got {text!r}")
+            text = ""
+        target = int(text) if text else None
+        if target is not None and target >= dp_size:
             raise _invalid(f"{KEY_TARGET_RANK} {target} is not a rank of this server (dp size {dp_size})")
     priority = 0
     if KEY_PRIORITY in seen:
         text = seen[KEY_PRIORITY]
         if not _INT32.fullmatch(text) or not -(2**31) <= int(text) < 2**31:
-            raise _invalid(f"{KEY_PRIORITY} must be a base-10 int32, got {text!r}")
-        priority = int(text)
+            if not lenient:
+                raise _invalid(f"{KEY_PRIORITY} must be a base-10 int32, got {text!r}")
+        else:
+            priority = int(text)
     return RoutingMetadata(routing, target, priority, KEY_PRIORITY in seen, forwarded)
 
 
@@ -131,6 +149,7 @@ class RequestPlan:
     cache_salt: str
     stream_faults: StreamFaults
     token_delay_ms: float | None
+    stamp_tokens: bool = False  # benchmark: token text = engine send time (``extra.mock.stamp``)
 
 
 @dataclass(frozen=True)
@@ -291,16 +310,15 @@ def _session_checks(session: pb.KvSessionRef | None, view: EngineView, md: Routi
     spec, role = view.flavor, view.config.role
     if session is None:
         if role == "decode":
-            raise Rejection("FAILED_PRECONDITION", "a decode engine needs kv.session (role mismatch)")
+            raise RoleMismatch("a decode engine needs kv.session (role mismatch)")
         if role == "prefill" and spec.client_bootstrap:
             raise _invalid("a prefill request to this engine needs kv.session with a bootstrap")
         return
     if role == "aggregated":
-        raise Rejection("FAILED_PRECONDITION", "kv.session given to an aggregated engine (role mismatch)")
+        raise RoleMismatch("kv.session given to an aggregated engine (role mismatch)")
     if role == "prefill" and not spec.client_bootstrap:
-        raise Rejection(
-            "FAILED_PRECONDITION",
-            "kv.session given to a context-first prefill engine; decode requests carry sessions (role mismatch)",
+        raise RoleMismatch(
+            "kv.session given to a context-first prefill engine; decode requests carry sessions (role mismatch)"
         )
     if md.target_rank is not None and md.target_rank != session.dp_rank:
         raise _invalid(
@@ -325,11 +343,11 @@ def _session_checks(session: pb.KvSessionRef | None, view: EngineView, md: Routi
             raise _invalid("kv.session.handoff_profile is required")
 
 
-def _extra(request: pb.GenerateRequest) -> tuple[StreamFaults, float | None]:
+def _extra(request: pb.GenerateRequest) -> tuple[StreamFaults, float | None, bool]:
     extra = request.extra.to_dict() if request.extra is not None else {}
     mock = extra.get("mock")
     if mock is None:
-        return StreamFaults(), None
+        return StreamFaults(), None, False
     if not isinstance(mock, dict):
         raise _invalid("extra.mock must be an object")
     faults = mock.get("faults", [])
@@ -342,7 +360,10 @@ def _extra(request: pb.GenerateRequest) -> tuple[StreamFaults, float | None]:
     delay = mock.get("token_delay_ms")
     if delay is not None and (not isinstance(delay, int | float) or delay < 0):
         raise _invalid("extra.mock.token_delay_ms must be a non-negative number")
-    return sf, (float(delay) if delay is not None else None)
+    stamp = mock.get("stamp", False)
+    if not isinstance(stamp, bool):
+        raise _invalid("extra.mock.stamp must be a boolean")
+    return sf, (float(delay) if delay is not None else None), stamp
 
 
 def validate(
@@ -350,7 +371,12 @@ def validate(
 ) -> RequestPlan:
     """Check ``request`` against this engine; raises :class:`Rejection`."""
     cfg, spec = view.config, view.flavor
-    md = parse_metadata(metadata, cfg.dp_size)
+    md = parse_metadata(
+        metadata,
+        cfg.dp_size,
+        lenient=cfg.faults.has("lenient-metadata"),
+        allow_repeats=cfg.faults.has("repeated-metadata"),
+    )
 
     # Model and adapter.
     lora: Adapter | None = None
@@ -486,7 +512,7 @@ def validate(
             bypass = True
 
     forced = _guided(request, view, seed)
-    stream_faults, delay = _extra(request)
+    stream_faults, delay, stamp = _extra(request)
     return RequestPlan(
         request=request,
         model=model or view.model,
@@ -507,4 +533,5 @@ def validate(
         cache_salt=salt,
         stream_faults=stream_faults,
         token_delay_ms=delay,
+        stamp_tokens=stamp,
     )

@@ -86,17 +86,20 @@ class Connection:
     async def serve(self) -> None:
         metrics.CONNECTIONS.inc()
         try:
-            with self._scope:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._writer)
-                    async with trio.open_nursery() as stream_nursery:
-                        try:
+            # Stream tasks live outside the reader/writer scope: however the connection ends
+            # (client gone, stall, undecodable frame), each stream is ended through its own
+            # handle, so it still closes its upstream, sends its Abort and counts its outcome.
+            async with trio.open_nursery() as stream_nursery:
+                try:
+                    with self._scope:
+                        async with trio.open_nursery() as nursery:
+                            nursery.start_soon(self._writer)
                             await self._reader(stream_nursery)
-                        finally:
-                            self.closed = True
-                            for handle in self.streams.values():
-                                handle.cancel(OUTCOME_CLIENT_GONE)
-                    nursery.cancel_scope.cancel()
+                            nursery.cancel_scope.cancel()
+                finally:
+                    self.closed = True
+                    for handle in list(self.streams.values()):
+                        handle.cancel(OUTCOME_CLIENT_GONE)
         finally:
             self.closed = True
             metrics.CONNECTIONS.dec()

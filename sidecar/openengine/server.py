@@ -44,6 +44,9 @@ import grpclib.server
 from grpclib.encoding.proto import ProtoCodec
 from grpclib.exceptions import GRPCError
 
+from sidecar.openengine import pb
+from sidecar.openengine.rawfields import WireError, nested_field_bytes
+
 log = logging.getLogger(__name__)
 
 #: gRPC status names a handler may use (grpclib ``Status`` member names).
@@ -90,7 +93,13 @@ class _Codec(ProtoCodec):
         return bytes(message)
 
     def decode(self, data: bytes, message_type: Any) -> Any:
-        return message_type.parse(data)
+        message = message_type.parse(data)
+        if message_type is pb.GenerateRequest and message.kv is not None and message.kv.session is not None:
+            # The exact KvSessionRef bytes a client sent (kv = 8, session = 1), so an engine
+            # (the simulated ones, conformance fakes) can report what it received byte for byte.
+            with contextlib.suppress(WireError):
+                message.raw_kv_session = nested_field_bytes(data, 8, 1)
+        return message
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The ``generate`` CLI command (and the ``disagg`` placeholder)."""
+"""The ``generate`` CLI command (``disagg``: tests/client/test_disagg_flow.py, tests/e2e/test_disagg.py)."""
 
 from __future__ import annotations
 
@@ -114,14 +114,14 @@ async def test_ctrl_c_sends_cancel_and_waits_for_end(fake: FakeSidecar) -> None:
     assert (out + rest).decode() == "tick\n"
 
 
-def test_help_and_disagg_placeholder() -> None:
+def test_help_and_disagg_usage() -> None:
     runner = CliRunner()
     result = runner.invoke(main, ["generate", "--help"])
     assert result.exit_code == 0
     for flag in ("--sidecar", "--max-tokens", "--model", "--json", "OPENENGINE_SIDECAR_SIDECAR"):
         assert flag in result.output
     result = runner.invoke(main, ["disagg"])
-    assert result.exit_code == 1 and "not implemented yet" in result.output
+    assert result.exit_code == 2 and "Missing argument" in result.output
 
 
 def test_bad_sidecar_url() -> None:

@@ -1,0 +1,19 @@
+"""Prometheus metrics of the Dynamo plane (on ``sidecar.metrics.REGISTRY``)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge
+
+from sidecar.metrics import REGISTRY
+
+REQUESTS = Counter(
+    "openengine_sidecar_dynamo_requests",
+    "Dynamo requests ended, by stream outcome (completed, cancelled, failed, rejected).",
+    ["outcome"],
+    registry=REGISTRY,
+)
+ROUTABLE = Gauge(
+    "openengine_sidecar_dynamo_routable",
+    "1 while this worker's endpoint is registered in Dynamo's discovery.",
+    registry=REGISTRY,
+)

@@ -1,0 +1,364 @@
+"""The Dynamo worker plane: this sidecar as a worker of a Dynamo deployment.
+
+Started by ``run --dynamo`` in the root nursery, beside the WebSocket plane:
+
+    Dynamo plane
+    ├─ DistributedRuntime (Dynamo's Rust runtime, driven through the trio-asyncio loop)
+    ├─ stream bridge: one trio task per Dynamo request (the same lifecycle as WebSocket)
+    ├─ endpoint ``namespace.component.endpoint`` served with the bridge's handler
+    ├─ model registration from the worker card (``registration.py``)
+    ├─ KV relay: one Dynamo ``KvEventPublisher`` per DP rank, in ZMQ relay mode, subscribed
+    │  to this sidecar's own vLLM-format publisher of that rank
+    └─ routability watch: leaves Dynamo's discovery while the engine is not ready, rejoins
+       when it is back; follows loaded/unloaded LoRA adapters
+
+:meth:`DynamoPlane.leave` (called on SIGTERM, before the drain) removes the endpoint
+instance and the model registrations, so Dynamo routes no new work here, then waits
+``unregister_grace`` for routers to notice. Resources: the runtime is shut down when the
+plane's task is cancelled. Errors at startup raise ``StartupError`` (one line).
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import Any
+
+import trio
+import trio_asyncio
+
+from sidecar.core.card import WorkerCard
+from sidecar.core.sidecar import Sidecar, StartupError
+from sidecar.dynamo import metrics
+from sidecar.dynamo.config import DynamoConfig
+from sidecar.dynamo.handler import StreamBridge
+from sidecar.dynamo.registration import (
+    LoraRegistration,
+    ModelRegistration,
+    RegistrationError,
+    plan_registrations,
+)
+
+log = logging.getLogger(__name__)
+
+#: Bound of one call into Dynamo's runtime (registration, unregistration).
+CALL_TIMEOUT = 30.0
+WATCH_INTERVAL = 0.5
+
+
+def import_dynamo() -> Any:
+    """The ``dynamo`` modules (``llm``, ``runtime``); ``StartupError`` when the extra is missing."""
+    try:
+        import dynamo.llm as llm
+        import dynamo.runtime as runtime
+    except ImportError as err:
+        raise StartupError(
+            f"--dynamo needs Dynamo's runtime ({err}); install it with scripts/install-dynamo"
+        ) from None
+    return llm, runtime
+
+
+def _relay_endpoint(endpoint: str) -> str:
+    """A connectable form of a publisher's bound endpoint (wildcards → loopback)."""
+    for wildcard in ("*", "0.0.0.0"):
+        endpoint = endpoint.replace(f"//{wildcard}:", "//127.0.0.1:")
+    return endpoint.replace("//[::]:", "//[::1]:")
+
+
+class DynamoPlane:
+    """See the module doc. Create, then ``await nursery.start(plane.run)``."""
+
+    def __init__(self, sidecar: Sidecar, config: DynamoConfig, *, kv_topic: str = "") -> None:
+        self.sidecar = sidecar
+        self.config = config
+        #: Topic of this sidecar's KV publisher (``--kv-topic``).
+        self.kv_topic = kv_topic
+        self.llm, self.rt = import_dynamo()
+        self.loop: Any = None
+        self.runtime: Any = None
+        self.endpoint: Any = None
+        self.bridge: StreamBridge | None = None
+        self.plans: list[ModelRegistration] = []
+        self.publishers: list[Any] = []
+        self.routable = False
+        self.left = False
+        self._loras: set[str] = set()
+        self._lock = trio.Lock()
+
+    @property
+    def path(self) -> str:
+        card = self.sidecar.card
+        return self.config.endpoint_path(card.role if card else "")
+
+    async def _aio(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Await an asyncio-flavoured Dynamo call, bounded by ``CALL_TIMEOUT``."""
+        with trio.fail_after(CALL_TIMEOUT):
+            return await trio_asyncio.aio_as_trio(partial(fn, *args, **kwargs), loop=self.loop)()
+
+    # -- the service -------------------------------------------------------------------------
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Register and serve until cancelled; ``task_status.started(endpoint path)``."""
+        card = self.sidecar.card
+        if card is None:
+            raise StartupError("Dynamo plane: the engine is not discovered")
+        try:
+            self.plans = plan_registrations(card, self.config)
+        except RegistrationError as err:
+            raise StartupError(f"Dynamo registration: {err}") from None
+        self.loop = trio_asyncio.current_loop.get()
+        if self.loop is None:
+            raise StartupError("Dynamo plane: no trio-asyncio loop")
+        cfg = self.config
+        try:
+            self.runtime = self.rt.DistributedRuntime(
+                self.loop, cfg.discovery_backend, cfg.request_plane, event_plane=cfg.event_plane
+            )
+        except Exception as err:
+            raise StartupError(
+                f"Dynamo runtime ({cfg.discovery_backend}/{cfg.request_plane}): {err}"
+            ) from None
+        try:
+            self.endpoint = self.runtime.endpoint(self.path)
+            self.bridge = StreamBridge(self.sidecar, self.loop)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.bridge.run)
+                try:
+                    await self._register(card)
+                except Exception as err:
+                    raise StartupError(f"Dynamo registration of {self.path}: {err}") from None
+                nursery.start_soon(self._serve_endpoint)
+                self._start_kv_relay(card)
+                self.routable = True
+                metrics.ROUTABLE.set(1)
+                log.info(
+                    "Dynamo: serving %s as %s (%s) in namespace %s",
+                    ", ".join(p.name for p in self.plans),
+                    self.path,
+                    card.role,
+                    cfg.namespace,
+                )
+                task_status.started(self.path)
+                await self._watch()
+        finally:
+            metrics.ROUTABLE.set(0)
+            for publisher in self.publishers:
+                try:
+                    publisher.shutdown()
+                except Exception as err:  # pragma: no cover - best effort at exit
+                    log.debug("KV publisher shutdown: %s", err)
+            self.runtime.shutdown()
+
+    async def _serve_endpoint(self) -> None:
+        assert self.bridge is not None
+        await trio_asyncio.aio_as_trio(self.endpoint.serve_endpoint, loop=self.loop)(
+            self.bridge.handler, graceful_shutdown=False
+        )
+
+    # -- registration ------------------------------------------------------------------------
+
+    def _runtime_config(self, plan: ModelRegistration) -> Any:
+        rc = self.llm.ModelRuntimeConfig()
+        for name in ("context_length", "total_kv_blocks", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(plan, name)
+            if value is not None:
+                setattr(rc, name, value)
+        rc.data_parallel_start_rank = plan.dp_start_rank
+        rc.data_parallel_size = plan.dp_size
+        if plan.tool_call_parser:
+            rc.tool_call_parser = plan.tool_call_parser
+        if plan.reasoning_parser:
+            rc.reasoning_parser = plan.reasoning_parser
+        rc.kv_event_publishing_enabled = bool(self._kv_endpoints(self.sidecar.card))
+        rc.enable_local_indexer = False
+        if plan.bootstrap is not None:
+            rc.set_disaggregated_endpoint(plan.bootstrap[0], plan.bootstrap[1])
+        return rc
+
+    def _model_type(self, plan: ModelRegistration) -> Any:
+        types = self.llm.ModelType
+        out = None
+        for name in plan.model_types:
+            t = {"chat": types.Chat, "completions": types.Completions, "prefill": types.Prefill}[name]
+            out = t if out is None else out | t
+        return out
+
+    def _worker_type(self, role: str) -> Any:
+        wt = self.llm.WorkerType
+        return {"aggregated": wt.Aggregated, "prefill": wt.Prefill, "decode": wt.Decode}[role]
+
+    async def _register(self, card: WorkerCard) -> None:
+        llm = self.llm
+        for plan in self.plans:
+            await self._aio(
+                llm.register_model,
+                llm.ModelInput.Tokens,
+                self._model_type(plan),
+                self.endpoint,
+                plan.model_path,
+                plan.name,
+                worker_type=self._worker_type(plan.worker_type),
+                kv_cache_block_size=plan.kv_block_size,
+                runtime_config=self._runtime_config(plan),
+                needs=[[self._worker_type(r) for r in group] for group in plan.needs] or None,
+                model_aliases=plan.aliases or None,
+            )
+            for lora in plan.loras:
+                await self._register_lora(plan, lora)
+
+    async def _register_lora(self, plan: ModelRegistration, lora: LoraRegistration) -> None:
+        llm = self.llm
+        await self._aio(
+            llm.register_model,
+            llm.ModelInput.Tokens,
+            self._model_type(plan),
+            self.endpoint,
+            lora.base_model_path,
+            kv_cache_block_size=plan.kv_block_size,
+            runtime_config=self._runtime_config(plan),
+            user_data={"lora_adapter": True, "lora_id": lora.lora_id},
+            lora_name=lora.lora_name,
+            base_model_path=lora.base_model_path,
+            worker_type=self._worker_type(plan.worker_type),
+            needs=[[self._worker_type(r) for r in group] for group in plan.needs] or None,
+        )
+        self._loras.add(lora.lora_name)
+
+    # -- KV relay ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _kv_endpoints(card: WorkerCard | None) -> list[str]:
+        return list(card.kv_publish_endpoints) if card is not None else []
+
+    def _start_kv_relay(self, card: WorkerCard) -> None:
+        endpoints = self._kv_endpoints(card)
+        if not self.config.kv_events:
+            log.info("Dynamo: KV event relay disabled (--no-dynamo-kv-events)")
+            return
+        if not endpoints:
+            log.info("Dynamo: no KV event publisher on this sidecar; Dynamo's KV router gets no events")
+            return
+        block_size = card.capacity.kv_block_size if card.capacity else None
+        if not block_size:
+            log.warning("Dynamo: the engine reports no KV block size; KV events are not relayed")
+            return
+        image_token_id = next(
+            (
+                m.multimodal.routing_image_token_id
+                for m in card.models
+                if m.multimodal is not None and m.multimodal.routing_image_token_id is not None
+            ),
+            None,
+        )
+        for rank, endpoint in zip(card.dp_ranks, endpoints, strict=False):
+            zmq_endpoint = _relay_endpoint(endpoint)
+            self.publishers.append(
+                self.llm.KvEventPublisher(
+                    endpoint=self.endpoint,
+                    kv_block_size=block_size,
+                    dp_rank=rank,
+                    zmq_endpoint=zmq_endpoint,
+                    zmq_topic=self.kv_topic,
+                    image_token_id=image_token_id,
+                )
+            )
+            log.info("Dynamo: relaying KV events of DP rank %d from %s", rank, zmq_endpoint)
+
+    # -- routability -------------------------------------------------------------------------
+
+    async def _set_routable(self, routable: bool) -> None:
+        async with self._lock:
+            if routable == self.routable or (routable and self.left):
+                return
+            if routable:
+                await self._aio(self.endpoint.register_endpoint_instance)
+            else:
+                await self._aio(self.endpoint.unregister_endpoint_instance)
+            self.routable = routable
+            metrics.ROUTABLE.set(1 if routable else 0)
+            log.info("Dynamo: %s %s", "rejoined" if routable else "left", self.path)
+
+    async def _watch(self) -> None:
+        """Follow engine readiness (leave / rejoin discovery) and loaded LoRA adapters."""
+        while True:
+            await trio.sleep(WATCH_INTERVAL)
+            if self.left:
+                continue
+            reason = self.sidecar.not_ready_reason()
+            try:
+                await self._set_routable(reason is None)
+                await self._sync_loras()
+            except (Exception, trio.TooSlowError) as err:
+                log.warning("Dynamo: discovery update failed: %s", err)
+
+    async def _sync_loras(self) -> None:
+        card = self.sidecar.card
+        if card is None or card.lora_adapters is None or len(self.plans) != 1:
+            return
+        plan = self.plans[0]
+        current = {a.lora_name: a for a in card.lora_adapters if a.base_model == plan.name}
+        for name in sorted(set(current) - self._loras):
+            a = current[name]
+            await self._register_lora(
+                plan, LoraRegistration(a.lora_name, a.lora_id, plan.model_path, plan.name)
+            )
+            log.info("Dynamo: registered LoRA %s", name)
+        for name in sorted(self._loras - set(current)):
+            await self._aio(self.llm.unregister_model, self.endpoint, lora_name=name)
+            self._loras.discard(name)
+            log.info("Dynamo: unregistered LoRA %s", name)
+
+    async def leave(self) -> None:
+        """Stop being routable in Dynamo (endpoint instance and model cards), then wait the grace.
+
+        Bounded; failures are logged (the drain goes on regardless).
+        """
+        if self.left or self.endpoint is None:
+            return
+        self.left = True
+        with trio.move_on_after(CALL_TIMEOUT):
+            try:
+                async with self._lock:
+                    if self.routable:
+                        await self._aio(self.endpoint.unregister_endpoint_instance)
+                    for name in sorted(self._loras):
+                        await self._aio(self.llm.unregister_model, self.endpoint, lora_name=name)
+                    await self._aio(self.llm.unregister_model, self.endpoint)
+                    self.routable = False
+                    metrics.ROUTABLE.set(0)
+            except Exception as err:
+                log.warning("Dynamo: leaving discovery failed: %s", err)
+        log.info("Dynamo: left %s; draining in %.1fs", self.path, self.config.unregister_grace)
+        await trio.sleep(self.config.unregister_grace)
+
+
+class _LeaveFirst:
+    """Signal iterator: on the first signal, leave Dynamo before the drain sees it."""
+
+    def __init__(self, signals: Any, plane: DynamoPlane) -> None:
+        self.signals = signals
+        self.plane = plane
+
+    def __aiter__(self) -> _LeaveFirst:
+        return self
+
+    async def __anext__(self) -> Any:
+        sig = await self.signals.__anext__()
+        await self.plane.leave()
+        return sig
+
+
+def leave_before_drain(signals: Any, plane: DynamoPlane | None) -> Any:
+    """``signals``, or a wrapper that leaves Dynamo on the first signal (``run``'s drain)."""
+    return signals if plane is None else _LeaveFirst(signals, plane)
+
+
+async def start_dynamo_plane(
+    root: trio.Nursery, sidecar: Sidecar, config: DynamoConfig | None, *, kv_topic: str = ""
+) -> DynamoPlane | None:
+    """Start the plane in ``root`` when configured; ``StartupError`` when it cannot serve."""
+    if config is None:
+        return None
+    plane = DynamoPlane(sidecar, config, kv_topic=kv_topic)
+    await root.start(plane.run)
+    return plane

@@ -1,0 +1,218 @@
+"""A real Dynamo deployment on this machine for end-to-end tests: frontend, sidecars, mock engines.
+
+Everything runs as subprocesses on loopback: Dynamo's frontend (``python -m dynamo.frontend``)
+with file discovery, the tcp request plane and the zmq event plane (``DYN_FILE_KV`` under the
+test's tmp dir, every host pinned to 127.0.0.1); ``openengine-sidecar run --dynamo`` in front of
+``mock-engine`` whose tokenizer source is a tokenizer directory of the mock vocabulary built at
+test time (``sidecar.dynamo.tokenizer_dir``). Readiness is polled (another process's state),
+always bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from sidecar.client.sidecar_client import open_sidecar
+from sidecar.dynamo.tokenizer_dir import write_mock_tokenizer_dir
+from tests.e2e.harness import SIDECAR_READY, Proc, eventually, spawn
+
+MODEL = "Qwen/Qwen3-0.6B"
+
+
+def require_dynamo() -> None:
+    """Skip unless the 'dynamo' extra is installed (scripts/install-dynamo)."""
+    pytest.importorskip(
+        "dynamo.llm", reason="the 'dynamo' extra is not installed (run scripts/install-dynamo)"
+    )
+    pytest.importorskip(
+        "tokenizers", reason="the 'dynamo' extra is not installed (run scripts/install-dynamo)"
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def dynamo_env(tmp_path: Path) -> dict[str, str]:
+    """DYN_* settings shared by the frontend and the workers of one test deployment."""
+    return {
+        "DYN_FILE_KV": str(tmp_path / "dynamo-kv"),
+        "DYN_DISCOVERY_BACKEND": "file",
+        "DYN_REQUEST_PLANE": "tcp",
+        "DYN_EVENT_PLANE": "zmq",
+        "DYN_TCP_RPC_HOST": "127.0.0.1",
+        "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
+        "DYN_EVENT_PLANE_HOST": "127.0.0.1",
+        "DYN_SELF_HOST_METADATA": "0",
+        "DYN_LOG": "warn",
+    }
+
+
+def tokenizer_dir(tmp_path: Path) -> Path:
+    return write_mock_tokenizer_dir(tmp_path / "mock-tokenizer")
+
+
+@asynccontextmanager
+async def spawn_argv(argv: list[str], env: dict[str, str]) -> AsyncIterator[Proc]:
+    """Any command with stderr (and stdout) collected; SIGTERM, then kill, on exit."""
+    process = await trio.lowlevel.open_process(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+    )
+    proc = Proc(process)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(proc._pump)
+        try:
+            yield proc
+        except BaseException:
+            print(f"--- log of {argv[2]} (last 40 lines) ---\n" + "\n".join(proc.lines[-40:]))
+            raise
+        finally:
+            with trio.CancelScope(shield=True):
+                if process.returncode is None:
+                    process.terminate()
+                    with trio.move_on_after(10):
+                        await process.wait()
+                if process.returncode is None:
+                    process.kill()
+                    await process.wait()
+            nursery.cancel_scope.cancel()
+
+
+@dataclass
+class Frontend:
+    proc: Proc
+    url: str
+    http: httpx.AsyncClient
+
+    async def models(self) -> list[str]:
+        resp = await self.http.get("/v1/models")
+        return [m["id"] for m in resp.json()["data"]] if resp.status_code == 200 else []
+
+    async def wait_models(self, *names: str, timeout: float = 30) -> None:
+        async def listed() -> bool:
+            return set(names) <= set(await self.models())
+
+        await eventually(listed, timeout, interval=0.1)
+
+    async def complete(self, prompt: str, **body: Any) -> dict[str, Any]:
+        resp = await self.http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, **body})
+        assert resp.status_code == 200, resp.text
+        return resp.json()  # type: ignore[no-any-return]
+
+    async def stream(self, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+        """The SSE chunks of a streaming call (``data: [DONE]`` excluded)."""
+        out = []
+        async with self.http.stream("POST", path, json={**body, "stream": True}) as resp:
+            assert resp.status_code == 200, await resp.aread()
+            async for line in resp.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    out.append(json.loads(line[6:]))
+        return out
+
+
+@asynccontextmanager
+async def frontend(tmp_path: Path, *args: str) -> AsyncIterator[Frontend]:
+    """``python -m dynamo.frontend`` on a free loopback port (``args``: extra frontend flags)."""
+    port = free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "dynamo.frontend",
+        "--http-host",
+        "127.0.0.1",
+        "--http-port",
+        str(port),
+        *args,
+    ]
+    async with spawn_argv(argv, dynamo_env(tmp_path)) as proc:
+        url = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            fe = Frontend(proc, url, http)
+
+            async def up() -> bool:
+                try:
+                    return (await http.get("/v1/models")).status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            await eventually(up, 30, interval=0.1)
+            yield fe
+
+
+@dataclass
+class DynamoSidecar:
+    proc: Proc
+    ws: str
+    http: str
+    bound: dict[str, str]
+
+
+@asynccontextmanager
+async def dynamo_sidecar(
+    tmp_path: Path, engine_address: str, *args: str, name: str = "sidecar"
+) -> AsyncIterator[DynamoSidecar]:
+    """``run --dynamo`` (file discovery in this test's deployment) in front of ``engine_address``."""
+    ready = tmp_path / f"{name}.json"
+    argv = [
+        "run",
+        "--engine",
+        engine_address,
+        "--listen",
+        "127.0.0.1:0",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--kv-publish",
+        "tcp://127.0.0.1:0",
+        "--kv-replay",
+        "tcp://127.0.0.1:0",
+        "--ready-file",
+        str(ready),
+        "--dynamo",
+        *args,
+    ]
+    async with spawn(argv, env=dynamo_env(tmp_path)) as proc:
+        m = await proc.wait_for_line(SIDECAR_READY, timeout=30)
+
+        async def written() -> bool:
+            if proc.process.returncode is not None:
+                raise AssertionError("the sidecar exited:\n" + "\n".join(proc.lines[-20:]))
+            return ready.exists() and bool(ready.read_text())
+
+        await eventually(written, 30)
+        yield DynamoSidecar(proc, m.group(1), m.group(2), json.loads(ready.read_text()))
+
+
+async def ws_text(ws: str, token_ids: list[int], max_tokens: int) -> str:
+    """What the engine generates for ``token_ids``, read through the WebSocket plane."""
+    request = {
+        "model": MODEL,
+        "tokenIds": {"ids": token_ids},
+        "stopping": {"maxTokens": max_tokens, "ignoreEos": True},
+    }
+    async with open_sidecar(ws) as client, client.generate(request) as stream:
+        return "".join([e.response.text async for e in stream])
+
+
+def encode(tok_dir: Path, text: str) -> list[int]:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tok_dir / "tokenizer.json")).encode(text).ids  # type: ignore[no-any-return]

@@ -1,0 +1,129 @@
+"""Dynamo's KV router sees the engines' cache through the sidecars' KV events.
+
+Two mock engines, each behind ``run --dynamo`` (KV relay on), and a frontend with
+``--router-mode kv``. A long prompt is first cached on one chosen engine *outside Dynamo*
+(through that sidecar's WebSocket plane), so Dynamo can only know about it from the KV
+events: engine → sidecar KV bridge → Dynamo ``KvEventPublisher`` (ZMQ relay) → event plane.
+An independent Dynamo ``KvIndexer`` in the test process, subscribed to the same events as
+the frontend's router, shows when they arrived (and that Dynamo's block hashes of the
+frontend's tokens match them); then the prompt (plus a new suffix), and its repeats,
+through the frontend must land on that engine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from sidecar.client.sidecar_client import open_sidecar
+from tests.dynamo.e2e import (
+    MODEL,
+    dynamo_env,
+    dynamo_sidecar,
+    encode,
+    frontend,
+    require_dynamo,
+    tokenizer_dir,
+)
+from tests.e2e.harness import engine_counters, eventually, mock_engine
+
+require_dynamo()
+pytestmark = pytest.mark.slow
+
+
+def words(seed: int, n: int) -> str:
+    """A distinct prompt of ``n`` two-syllable words (one token each)."""
+    syl = [c + v for c in "bcdfghjklmnprstv" for v in "aeiou"]
+    return " ".join(syl[(seed * 7 + i * 13) % 80] + syl[(seed * 11 + i * 3) % 80] for i in range(n))
+
+
+async def warm(ws: str, token_ids: list[int]) -> None:
+    """Run ``token_ids`` on one engine directly (its prefix blocks get cached there)."""
+    request = {
+        "model": MODEL,
+        "tokenIds": {"ids": token_ids},
+        "stopping": {"maxTokens": 1, "ignoreEos": True},
+    }
+    async with open_sidecar(ws) as client, client.generate(request) as stream:
+        async for _ in stream:
+            pass
+        assert stream.end is not None and stream.end.outcome == "completed"
+
+
+async def make_router(cls: Any, endpoint: Any, config: Any) -> Any:
+    return cls(endpoint, 16, config)
+
+
+def scores_of(reply: Any) -> dict[int, int]:
+    """{worker id: matched blocks} from ``KvRouter.get_overlap_scores`` (device tier)."""
+    out: dict[int, int] = {}
+    for row in reply.get("workers", []):
+        blocks = row.get("device_blocks", row.get("overlap_blocks", row.get("blocks", 0)))
+        if blocks:
+            out[int(row["worker_id"])] = int(blocks)
+    return out
+
+
+async def test_kv_router_routes_to_the_engine_holding_the_prefix(
+    aio_loop: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import trio_asyncio
+    from dynamo.llm import KvRouter, KvRouterConfig
+    from dynamo.runtime import DistributedRuntime
+
+    for key, value in dynamo_env(tmp_path).items():
+        monkeypatch.setenv(key, value)  # this process joins the deployment as an observer
+    tok = tokenizer_dir(tmp_path)
+    engine_args = ["--flavor", "vllm", "--tokenizer-source", str(tok)]
+    with trio.fail_after(150):
+        async with (
+            mock_engine(tmp_path, *engine_args, name="e0") as e0,
+            mock_engine(tmp_path, *engine_args, name="e1") as e1,
+            dynamo_sidecar(tmp_path, e0.address, name="s0") as s0,
+            dynamo_sidecar(tmp_path, e1.address, name="s1") as s1,
+            frontend(tmp_path, "--router-mode", "kv") as fe,
+        ):
+            await fe.wait_models(MODEL)
+            runtime = DistributedRuntime(aio_loop, "file", "tcp", event_plane="zmq")
+            try:
+                # an independent KV router fed by the same KV events as the frontend's (queried only)
+                endpoint = runtime.endpoint("dynamo.backend.generate")
+                router = await trio_asyncio.aio_as_trio(make_router)(KvRouter, endpoint, KvRouterConfig())
+
+                async def overlap(ids: list[int]) -> dict[int, int]:
+                    reply = await trio_asyncio.aio_as_trio(router.get_overlap_scores)(ids)
+                    return scores_of(reply)
+
+                engines, sidecars = [e0, e1], [s0, s1]
+                worker_of: dict[int, int] = {}  # engine index -> Dynamo worker id
+
+                async def served() -> list[int]:
+                    return [int((await engine_counters(e.address))["requests_accepted"]) for e in engines]
+
+                for i in range(4):
+                    target = i % 2
+                    prefix = words(i, 160)  # 10 blocks of 16 tokens
+                    ids = encode(tok, prefix)
+                    assert not await overlap(ids)
+                    await warm(sidecars[target].ws, ids)
+
+                    async def indexed(ids: list[int] = ids) -> dict[int, int]:
+                        return await overlap(ids)
+
+                    scores = await eventually(indexed, 10)  # engine -> bridge -> Dynamo relay -> event plane
+                    assert len(scores) == 1 and min(scores.values()) >= len(ids) // 16, scores
+                    (worker,) = scores
+                    assert worker_of.setdefault(target, worker) == worker
+                    for _ in range(3):  # the long prompt, and its repeats, land on the engine holding it
+                        before = await served()
+                        await fe.complete(prefix + " ba be bi", max_tokens=2, ignore_eos=True)
+                        after = await served()
+                        assert [a - b for a, b in zip(after, before, strict=True)] == [
+                            int(k == target) for k in range(2)
+                        ], f"prompt {i} cached on engine {target} was routed elsewhere"
+                assert len(set(worker_of.values())) == 2
+            finally:
+                runtime.shutdown()

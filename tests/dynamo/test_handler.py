@@ -1,0 +1,157 @@
+"""The Dynamo handler bridge on the real stream lifecycle (in-process mock engine, no Dynamo).
+
+The handler is driven the way Dynamo's runtime drives it: an asyncio async generator on the
+trio-asyncio loop, pulled chunk by chunk; the request context is a stand-in whose
+``async_killed_or_stopped()`` future the test resolves. Cancellation is judged from the
+engine's side (its ground-truth counters).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+import trio
+import trio_asyncio
+
+from sidecar.core.sidecar import Sidecar, SidecarConfig
+from sidecar.dynamo.handler import StreamBridge
+from sidecar.mock import tokenizer as tok
+from sidecar.mock.testing import InProcessEngine, mock_engine_in_process
+from sidecar.openengine.client import open_engine_client
+from tests.dynamo.test_mapping import dynamo_request
+
+
+class FakeContext:
+    """Dynamo's request context: id, trace headers, and the stop/kill signal."""
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.future: asyncio.Future[bool] | None = None
+
+    def id(self) -> str:
+        return self.rid
+
+    def trace_headers(self) -> dict[str, str] | None:
+        return None
+
+    def async_killed_or_stopped(self) -> asyncio.Future[bool]:
+        self.future = asyncio.get_running_loop().create_future()
+        return self.future
+
+    def stop(self) -> None:
+        assert self.future is not None
+        self.future.set_result(True)
+
+
+@asynccontextmanager
+async def bridge(aio_loop: Any, **engine: Any) -> AsyncIterator[tuple[StreamBridge, InProcessEngine]]:
+    async with (
+        mock_engine_in_process(**engine) as eng,
+        open_engine_client(eng.address) as client,
+        trio.open_nursery() as nursery,
+    ):
+        sidecar = Sidecar(client, SidecarConfig())
+        await sidecar.startup()
+        await nursery.start(sidecar.supervisor.run_service)
+        b = StreamBridge(sidecar, aio_loop)
+        await nursery.start(b.run)
+        yield b, eng
+        nursery.cancel_scope.cancel()
+
+
+async def collect(b: StreamBridge, request: dict[str, Any], ctx: FakeContext, *, stop_after: int = 0) -> Any:
+    """Pull the handler's chunks on asyncio; ``stop_after`` chunks: stop the context, keep reading."""
+
+    async def consume() -> list[dict[str, Any]]:
+        out = []
+        async for chunk in b.handler(request, ctx):
+            out.append(chunk)
+            if stop_after and len(out) == stop_after:
+                ctx.stop()
+        return out
+
+    return await trio_asyncio.aio_as_trio(consume)()
+
+
+def counters(eng: InProcessEngine) -> dict[str, Any]:
+    return eng.attributes
+
+
+async def wait_idle(eng: InProcessEngine) -> dict[str, Any]:
+    with trio.fail_after(5):
+        while (c := counters(eng))["streams_open"] or c["requests_in_flight"]:  # noqa: ASYNC110 - bounded poll
+            await trio.sleep(0.01)
+    return c
+
+
+async def test_completion_relays_the_engine_tokens(aio_loop: Any) -> None:
+    with trio.fail_after(20):
+        async with bridge(aio_loop) as (b, eng):
+            req = dynamo_request(stop_conditions={"max_tokens": 10, "ignore_eos": True})
+            chunks = await collect(b, req, FakeContext("r1"))
+            ids = [t for c in chunks for t in c["token_ids"]]
+            assert len(ids) == 10 and all(t >= tok.WORD_BASE or t in (264, 265) for t in ids)
+            last = chunks[-1]
+            assert last["finish_reason"] == "length"
+            assert last["completion_usage"]["completion_tokens"] == 10
+            c = await wait_idle(eng)
+            assert c["requests_completed"] == 1 and c["aborts_received"] == 0
+
+
+async def test_context_stop_closes_upstream_and_aborts(aio_loop: Any) -> None:
+    with trio.fail_after(20):
+        async with bridge(aio_loop, token_delay_ms=20.0) as (b, eng):
+            req = dynamo_request(stop_conditions={"max_tokens": 1000, "ignore_eos": True})
+            chunks = await collect(b, req, FakeContext("stop-me"), stop_after=3)
+            assert 3 <= len(chunks) < 20 and "finish_reason" not in chunks[-1]
+            c = await wait_idle(eng)
+            assert c["aborts_received_by_id"] == {"stop-me": 1}
+            assert c["requests_leaked"] == 0 and c["requests_completed"] == 0
+
+
+async def test_closed_generator_cancels_the_stream(aio_loop: Any) -> None:
+    with trio.fail_after(20):
+        async with bridge(aio_loop, token_delay_ms=20.0) as (b, eng):
+            req = dynamo_request(stop_conditions={"max_tokens": 1000, "ignore_eos": True})
+
+            async def take_two() -> None:
+                gen = b.handler(req, FakeContext("closed"))
+                await gen.__anext__()
+                await gen.__anext__()
+                await gen.aclose()  # what Dynamo does when it drops the response stream
+
+            await trio_asyncio.aio_as_trio(take_two)()
+            c = await wait_idle(eng)
+            assert c["aborts_received_by_id"] == {"closed": 1} and c["requests_leaked"] == 0
+            assert b.active == 0
+
+
+async def test_rejection_raises_before_the_engine(aio_loop: Any) -> None:
+    with trio.fail_after(20):
+        async with bridge(aio_loop) as (b, eng):
+            with pytest.raises(Exception, match="not served by this worker") as err:
+                await collect(b, dynamo_request(model="nope"), FakeContext("r2"))
+            assert "InvalidArgument" in type(err.value).__name__ or "InvalidArgument" in str(err.value)
+            assert counters(eng)["requests_accepted"] == 0
+
+
+async def test_concurrent_streams(aio_loop: Any) -> None:
+    with trio.fail_after(30):
+        async with bridge(aio_loop, fast=True) as (b, eng):
+            results: dict[int, int] = {}
+
+            async def one(i: int) -> None:
+                req = dynamo_request(stop_conditions={"max_tokens": 50, "ignore_eos": True})
+                chunks = await collect(b, req, FakeContext(f"c{i}"))
+                results[i] = sum(len(c["token_ids"]) for c in chunks)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(32):
+                    nursery.start_soon(one, i)
+            assert results == dict.fromkeys(range(32), 50)
+            c = await wait_idle(eng)
+            assert c["requests_completed"] == 32 and c["aborts_received"] == 0
