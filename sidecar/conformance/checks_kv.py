@@ -1,0 +1,231 @@
+"""KV events: sequence contiguity, rank attribution, snapshot and resume.
+
+The checks make the engine store blocks with one-token requests whose prompts are fresh
+random token ids (so no prefix cache hides them), routed to each DP rank with
+``openengine-target-dp-rank``. They need an engine that completes requests on its own
+(aggregated, or a context-first prefill). Sequence gaps that happened before a check
+subscribed are invisible to it: run ``--only kv`` for the sharpest result.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from sidecar.conformance.context import Context, describe_status
+from sidecar.conformance.kv_watch import (
+    KvWatcher,
+    SeenBatch,
+    kv_sources,
+    kv_transport,
+    open_watcher,
+    replay,
+    stored_runs,
+    watch_ranks,
+)
+from sidecar.conformance.model import Fail, Skip, check, require
+
+KV = "docs/api.md#kv-connector-and-kv-events"
+WAIT = 3.0
+WARM_ATTEMPTS = 10
+ROUNDS = 5
+SETTLE = 1.0  # batches of requests that already completed arrive within this
+WARM_WAIT = 0.2
+
+
+async def _prompt_len(ctx: Context) -> int:
+    cap = (await ctx.server_info()).capacity
+    block = cap.kv_block_size if cap is not None and cap.kv_block_size else 16
+    return min(max(2 * block + 1, 33), 1024)
+
+
+async def store_blocks(ctx: Context, rank: int | None, label: str) -> list[int]:
+    """Run a one-token request on fresh token ids (routed to ``rank``); returns the ids."""
+    if await ctx.standalone() is None:
+        raise Skip(
+            "cannot make this engine store KV blocks on its own (decode, or a prefill needing a partner)"
+        )
+    ids = ctx.token_ids(await _prompt_len(ctx))
+    req = await ctx.request(label, token_ids=ids, max_tokens=1)
+    metadata = None
+    if rank is not None and len(await ctx.dp_ranks()) > 1:
+        metadata = [("openengine-target-dp-rank", str(rank))]
+    rec = await ctx.record(req, metadata=metadata, timeout=15.0)
+    if rec.refused:
+        if (await ctx.model_info()).supports_token_ids_input is False:
+            raise Skip("the model does not accept token-id prompts")
+        raise Fail(f"a token-id request to rank {rank} was refused: {describe_status(rec)}")
+    last = rec.events[-1] if rec.events else None
+    if last is not None and last.prefill_ready is not None and last.prefill_ready.kv_session is not None:
+        await ctx.abort(kv_session=last.prefill_ready.kv_session)
+    return ids
+
+
+async def warm_up(ctx: Context, watcher: KvWatcher, ranks: Sequence[int]) -> None:
+    """Store blocks until every rank's subscription delivered a batch (ZMQ joins late)."""
+    for _ in range(WARM_ATTEMPTS):
+        if all(watcher.by_rank(r) for r in ranks):
+            return
+        for r in ranks:
+            if not watcher.by_rank(r):
+                await store_blocks(ctx, r, "kv-warm")
+        if await watcher.wait(lambda w: all(w.by_rank(r) for r in ranks), WARM_WAIT):
+            return
+    missing = [r for r in ranks if not watcher.by_rank(r)]
+    raise Fail(
+        f"no KV event batch from rank(s) {missing} after storing blocks {WARM_ATTEMPTS} times"
+        + (f" (stream {watcher.ended})" if watcher.ended else ""),
+        watcher.problems,
+    )
+
+
+def _gaps(rank: int, batches: list[SeenBatch]) -> list[str]:
+    seqs = [b.seq for b in batches]
+    out = []
+    for a, b in itertools.pairwise(seqs):
+        if b != a + 1:
+            what = f"{b - a - 1} missing" if b > a else "sequence went back"
+            out.append(f"rank {rank}: batch {a} followed by {b} ({what})")
+    return out
+
+
+@check(
+    "kv.sequence",
+    rule="each DP rank's KV event batches carry contiguous sequence numbers: every batch is the previous "
+    "one plus one, no gap, no restart",
+    ref=KV,
+)
+async def sequence(ctx: Context) -> str | None:
+    ranks = await watch_ranks(ctx)
+    async with open_watcher(ctx) as w:
+        await warm_up(ctx, w, ranks)
+        before = {r: len(w.by_rank(r)) for r in ranks}
+        for _ in range(ROUNDS):
+            for r in ranks:
+                await store_blocks(ctx, r, "kv-seq")
+        await w.wait(lambda w: all(len(w.by_rank(r)) >= before[r] + ROUNDS for r in ranks), SETTLE)
+    problems = [p for r in ranks for p in _gaps(r, w.by_rank(r))]
+    problems += [
+        f"rank {r}: only {len(w.by_rank(r))} batch(es) arrived" for r in ranks if len(w.by_rank(r)) < 2
+    ]
+    if w.ended:
+        problems.append(f"a KV event stream ended while watched: {w.ended}")
+    problems += w.problems
+    require(not problems, problems[0] if problems else "", problems)
+    return f"{w.transport}: " + ", ".join(f"rank {r} {len(w.by_rank(r))} batches" for r in ranks)
+
+
+def _has_run(batch: SeenBatch, ids: list[int]) -> bool:
+    text = ",".join(map(str, ids)) + ","
+    return any(run and ",".join(map(str, run)) + "," in text for run in stored_runs(batch))
+
+
+@check(
+    "kv.rank",
+    rule="KV event batches are attributed to the DP rank that stored the blocks: a request routed to "
+    "rank r shows up in rank r's batches, and each batch reports its source's rank",
+    ref=KV,
+)
+async def rank(ctx: Context) -> str | None:
+    ranks = await watch_ranks(ctx)
+    problems: list[str] = []
+    async with open_watcher(ctx) as w:
+        await warm_up(ctx, w, ranks)
+        for r in ranks:
+            ids = await store_blocks(ctx, r, "kv-rank")
+
+            def arrived(w: KvWatcher, ids: list[int] = ids) -> bool:
+                return any(_has_run(b, ids) for b in w.batches)
+
+            if not await w.wait(arrived, WAIT):
+                problems.append(f"no BlockStored for the prompt routed to rank {r} within {WAIT:g} s")
+                continue
+            for b in w.batches:
+                if _has_run(b, ids) and b.source_rank != r:
+                    problems.append(
+                        f"blocks of a request routed to rank {r} arrived from rank {b.source_rank}"
+                    )
+    for b in w.batches:
+        if b.reported_rank is not None and b.source_rank is not None and b.reported_rank != b.source_rank:
+            problems.append(
+                f"rank {b.source_rank}'s batch {b.seq} reports data-parallel rank {b.reported_rank}"
+            )
+            break
+    require(not problems, problems[0] if problems else "", problems)
+    return f"{w.transport}: ranks {ranks}"
+
+
+async def _resume_native(ctx: Context, r0: int) -> list[str]:
+    async with open_watcher(ctx, ranks=[r0]) as w:
+        await warm_up(ctx, w, [r0])
+        await store_blocks(ctx, r0, "kv-resume")
+        await w.wait(lambda w: len(w.by_rank(r0)) >= 2, WAIT)
+        last = w.by_rank(r0)[-1].seq
+    await store_blocks(ctx, r0, "kv-resume")
+    problems = []
+    start = last + 1
+    async with open_watcher(ctx, ranks=[r0], start=start) as w2:
+        got = await w2.wait(lambda w: bool(w.batches), WARM_WAIT)
+        if not got and not w2.ended:  # nothing held from `start` on: new traffic shows where it resumes
+            await store_blocks(ctx, r0, "kv-resume")
+            got = await w2.wait(lambda w: bool(w.batches), WAIT)
+    if not w2.batches:
+        why = f"the stream ended: {w2.ended}" if w2.ended else f"nothing within {WAIT:g} s" if not got else ""
+        problems.append(f"resuming rank {r0} from sequence {start} (held) delivered no batch: {why}")
+    elif w2.batches[0].seq != start:
+        problems.append(f"resuming rank {r0} from sequence {start} started at {w2.batches[0].seq}")
+    else:
+        problems += _gaps(r0, w2.batches)
+    async with open_watcher(ctx, ranks=[r0], snapshot=True) as w3:
+        await w3.wait(lambda w: bool(w.batches), WAIT)
+    if not w3.batches:
+        problems.append(
+            f"include_snapshot: no snapshot batch within {WAIT:g} s" + (f" ({w3.ended})" if w3.ended else "")
+        )
+    elif not w3.batches[0].events:
+        problems.append("include_snapshot: the first batch is empty although blocks are cached")
+    return problems
+
+
+async def _resume_zmq(ctx: Context, r0: int) -> list[str]:
+    source = next(
+        (s for s in await kv_sources(ctx) if s.transport == "zmq" and s.data_parallel_rank in (r0, None)),
+        None,
+    )
+    if source is None or not source.replay_endpoint:
+        raise Skip(f"no ZMQ replay endpoint advertised for rank {r0}")
+    async with open_watcher(ctx, ranks=[r0]) as w:
+        await warm_up(ctx, w, [r0])
+        for _ in range(2):
+            await store_blocks(ctx, r0, "kv-resume")
+        await w.wait(lambda w: len(w.by_rank(r0)) >= 3, WAIT)
+    seqs = [b.seq for b in w.by_rank(r0)]
+    start = seqs[0]
+    replayed, problem = await replay(source, start)
+    problems = [f"replay from {start}: {problem}"] if problem else []
+    if not replayed:
+        problems.append(f"replay from {start} (a batch just received) returned nothing")
+    elif replayed[0] != start:
+        problems.append(f"replay from {start} started at {replayed[0]}")
+    else:
+        problems += [
+            f"replay: batch {a} followed by {b}" for a, b in itertools.pairwise(replayed) if b != a + 1
+        ]
+        if seqs[-1] not in replayed:
+            problems.append(f"replay from {start} ended before batch {seqs[-1]}, which was already published")
+    return problems
+
+
+@check(
+    "kv.resume",
+    rule="a subscriber can resume: a native resume from a held sequence number starts exactly there and "
+    "include_snapshot delivers the cache state; a ZMQ replay from a held number starts exactly there, "
+    "contiguous to the end marker",
+    ref=KV,
+)
+async def resume(ctx: Context) -> str | None:
+    r0 = (await watch_ranks(ctx))[0]
+    transport = await kv_transport(ctx)
+    problems = await (_resume_native(ctx, r0) if transport == "grpc" else _resume_zmq(ctx, r0))
+    require(not problems, problems[0] if problems else "", problems)
+    return f"{transport}, rank {r0}"

@@ -1,0 +1,273 @@
+"""Watching an engine's KV events for the ``kv.*`` checks: native or ZMQ, plus ZMQ replay.
+
+:func:`open_watcher` subscribes for the duration of an ``async with`` block and records
+every batch (its sequence number, the rank it reports, the rank of the source it came
+from, its events normalized by the KV bridge's decoders). Native
+(``SubscribeKvEvents``) is used when the engine advertises a ``grpc`` source or none at
+all; otherwise one ZMQ SUB per advertised ``zmq`` source.
+
+Resources: the gRPC stream or the ZMQ context and its sockets, all closed (``linger=0``)
+when the block ends; receiving runs in a nursery owned by the block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import betterproto2
+import trio
+import zmq
+
+from sidecar.conformance.context import Context
+from sidecar.conformance.model import Fail, Skip
+from sidecar.kvbridge.decode_msgpack import MsgpackBatchDecoder
+from sidecar.kvbridge.decode_proto import batch_from_proto
+from sidecar.kvbridge.errors import KvDecodeError
+from sidecar.kvbridge.events import BlockStored, KvEvent
+from sidecar.kvbridge.replay import parse_upstream_reply, seq_bytes
+from sidecar.kvbridge.zmqio import recv_multipart
+from sidecar.nursery import open_background_nursery
+from sidecar.openengine import pb
+from sidecar.openengine.errors import EngineClientError, EngineStatusError
+from sidecar.openengine.raw import raw_subscribe_kv_events
+
+PROBE = 0.5
+
+__all__ = [
+    "KvWatcher",
+    "SeenBatch",
+    "kv_sources",
+    "kv_transport",
+    "open_watcher",
+    "replay",
+    "stored_runs",
+    "watch_ranks",
+]
+
+
+@dataclass
+class SeenBatch:
+    seq: int
+    reported_rank: int | None
+    source_rank: int | None  # the rank subscribed to (native) or whose publisher sent it (ZMQ)
+    events: list[KvEvent]
+
+    @property
+    def rank(self) -> int | None:
+        """The rank this batch belongs to: its source's (ZMQ), else the one it reports."""
+        return self.source_rank if self.source_rank is not None else self.reported_rank
+
+
+@dataclass
+class KvWatcher:
+    transport: str
+    batches: list[SeenBatch] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    ended: str = ""  # why a native stream ended ("" = all still open)
+    _changed: trio.Event = field(default_factory=trio.Event)
+
+    def _add(self, batch: SeenBatch) -> None:
+        self.batches.append(batch)
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _end(self, why: str) -> None:
+        self.ended = why
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def by_rank(self, rank: int) -> list[SeenBatch]:
+        return [b for b in self.batches if b.rank == rank]
+
+    async def wait(self, pred: Callable[[KvWatcher], bool], timeout: float) -> bool:
+        """Wait until ``pred(self)`` holds (False after ``timeout`` or when the stream ended)."""
+        with trio.move_on_after(timeout):
+            while not pred(self):
+                if self.ended:
+                    return pred(self)
+                await self._changed.wait()
+            return True
+        return False
+
+
+async def kv_sources(ctx: Context) -> list[pb.KvEventSource]:
+    """``GetKvEventSources`` (cached; UNIMPLEMENTED → none)."""
+    cached = ctx.cache.get("kv_sources")
+    if cached is None:
+        try:
+            cached = list((await ctx.client().get_kv_event_sources()).sources)
+        except EngineStatusError as err:
+            if err.status != "UNIMPLEMENTED":
+                raise Fail(f"GetKvEventSources answered {err.status}: {err.message}") from None
+            cached = []
+        ctx.cache["kv_sources"] = cached
+    return list(cached)
+
+
+def _zmq_sources(sources: Sequence[pb.KvEventSource]) -> list[pb.KvEventSource] | None:
+    """The ZMQ sources to use, or None when the native stream should be used."""
+    zmq_sources = [s for s in sources if s.transport == "zmq"]
+    if any(s.transport == "grpc" for s in sources) or not zmq_sources:
+        return None
+    return zmq_sources
+
+
+async def kv_transport(ctx: Context) -> str:
+    """``zmq`` when the engine advertises ZMQ sources and no gRPC one, else ``grpc`` (native)."""
+    return "grpc" if _zmq_sources(await kv_sources(ctx)) is None else "zmq"
+
+
+async def watch_ranks(ctx: Context) -> list[int]:
+    """The DP ranks a watcher can see: the advertised ZMQ sources' ranks, else the server's ranks."""
+    zmq_sources = _zmq_sources(await kv_sources(ctx))
+    if zmq_sources is None:
+        return await ctx.dp_ranks()
+    first = (await ctx.dp_ranks())[0]
+    return sorted({first if s.data_parallel_rank is None else s.data_parallel_rank for s in zmq_sources})
+
+
+def _endpoint(s: pb.KvEventSource) -> str:
+    assert s.endpoint_addr is not None
+    host = s.endpoint_addr.host
+    host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"tcp://{host}:{s.endpoint_addr.port}"
+
+
+async def _native(
+    ctx: Context,
+    watcher: KvWatcher,
+    request: pb.SubscribeKvEventsRequest,
+    rank: int,
+    task_status: trio.TaskStatus[None],
+) -> None:
+    task_status.started()
+    try:
+        async with raw_subscribe_kv_events(ctx.client(), request) as stream:
+            async for resp in stream:
+                name, value = betterproto2.which_one_of(resp, "event")
+                if name == "batch" and isinstance(value, pb.KvEventBatch):
+                    watcher._add(
+                        SeenBatch(value.sequence_number, value.data_parallel_rank, rank, _events(value))
+                    )
+                elif name == "error" and isinstance(value, pb.EngineError):
+                    watcher._end(f"terminal EngineError {pb.ErrorCode(value.code).name}: {value.message}")
+                    return
+                else:
+                    watcher.problems.append("a SubscribeKvEventsResponse with no event")
+        watcher._end("closed OK")
+    except EngineStatusError as err:
+        watcher._end(f"status {err.status}")
+    except EngineClientError as err:
+        watcher._end(f"transport: {err}")
+
+
+def _events(batch: pb.KvEventBatch) -> list[KvEvent]:
+    try:
+        return batch_from_proto(batch).events
+    except KvDecodeError:
+        return []
+
+
+async def _zmq_one(sock: zmq.Socket, rank: int, watcher: KvWatcher, decoder: MsgpackBatchDecoder) -> None:
+    while True:
+        frames = await recv_multipart(sock)
+        if len(frames) != 3 or len(frames[1]) != 8:
+            watcher.problems.append(f"rank {rank}: a message with {len(frames)} frames")
+            continue
+        try:
+            batch = decoder.decode(frames[2])
+        except KvDecodeError as err:
+            watcher.problems.append(f"rank {rank}: undecodable payload ({err})")
+            continue
+        seq = int.from_bytes(frames[1], "big")
+        watcher._add(SeenBatch(seq, batch.data_parallel_rank, rank, batch.events))
+
+
+@asynccontextmanager
+async def open_watcher(
+    ctx: Context,
+    *,
+    ranks: Sequence[int] = (),
+    start: int = 0,
+    snapshot: bool = False,
+) -> AsyncIterator[KvWatcher]:
+    """Subscribe to the engine's KV events for the block (see the module doc).
+
+    ``ranks``: the DP ranks to watch (empty = all). Native: one ``SubscribeKvEvents`` per
+    rank (so each batch's source rank is known), with ``start`` and ``snapshot`` in the
+    request. Skips when the engine offers neither a native stream nor ZMQ sources.
+    """
+    sources = await kv_sources(ctx)
+    zmq_sources = _zmq_sources(sources)
+    if zmq_sources is None:
+        watcher = KvWatcher("grpc")
+        async with open_background_nursery() as nursery:
+            for rank in ranks or await ctx.dp_ranks():
+                request = pb.SubscribeKvEventsRequest(
+                    data_parallel_ranks=[rank], include_snapshot=snapshot, start_sequence_number=start
+                )
+                await nursery.start(_native, ctx, watcher, request, rank)
+            if not sources:  # nothing advertised: is the native stream there at all?
+                await watcher.wait(lambda w: bool(w.ended), PROBE)
+            if watcher.ended.startswith("status UNIMPLEMENTED") and not watcher.batches:
+                raise Skip("the engine offers no KV events (SubscribeKvEvents UNIMPLEMENTED, no ZMQ sources)")
+            try:
+                yield watcher
+            finally:
+                nursery.cancel_scope.cancel()
+        return
+    watcher = KvWatcher("zmq")
+    zctx = zmq.Context()
+    socks: list[zmq.Socket] = []
+    try:
+        async with open_background_nursery() as nursery:
+            first = (await ctx.dp_ranks())[0]
+            for s in zmq_sources:
+                rank = first if s.data_parallel_rank is None else s.data_parallel_rank
+                if ranks and rank not in ranks:
+                    continue
+                sock = zctx.socket(zmq.SUB)
+                socks.append(sock)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SUBSCRIBE, s.topic.encode())
+                sock.connect(_endpoint(s))
+                nursery.start_soon(_zmq_one, sock, rank, watcher, MsgpackBatchDecoder())
+            try:
+                yield watcher
+            finally:
+                nursery.cancel_scope.cancel()
+    finally:
+        for sock in socks:
+            sock.close(linger=0)
+        zctx.term()
+
+
+async def replay(source: pb.KvEventSource, start: int, timeout: float = 3.0) -> tuple[list[int], str]:
+    """Ask a ZMQ source's replay endpoint for everything from ``start``: (sequence numbers, problem)."""
+    zctx = zmq.Context()
+    dealer = zctx.socket(zmq.DEALER)
+    seqs: list[int] = []
+    try:
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVHWM, 0)
+        dealer.connect(source.replay_endpoint)
+        dealer.send_multipart([b"", seq_bytes(start)], zmq.NOBLOCK)
+        with trio.move_on_after(timeout):
+            while True:
+                reply = parse_upstream_reply(await recv_multipart(dealer))
+                if reply is None:
+                    return seqs, ""
+                seqs.append(reply[0])
+        return seqs, f"no end marker within {timeout:g} s"
+    except (zmq.ZMQError, KvDecodeError) as err:
+        return seqs, f"replay failed: {err}"
+    finally:
+        dealer.close(linger=0)
+        zctx.term()
+
+
+def stored_runs(batch: SeenBatch) -> list[list[int]]:
+    """The ``token_ids`` of each BlockStored event of ``batch``."""
+    return [list(e.token_ids) for e in batch.events if isinstance(e, BlockStored)]

@@ -1,0 +1,99 @@
+"""Check registry, selection (--only / --skip) and the runner's handling of outcomes (I/O-free)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+
+from sidecar.conformance.context import Context, SuiteOptions
+from sidecar.conformance.model import Check, Fail, Skip, Status, select_checks
+from sidecar.conformance.runner import GROUP_ORDER, all_checks, run_check
+from sidecar.openengine.errors import EngineUnavailable
+
+
+def test_checks_are_registered_in_group_order() -> None:
+    checks = all_checks()
+    assert len({c.id for c in checks}) == len(checks)
+    groups = [c.group for c in checks]
+    assert groups == sorted(groups, key=GROUP_ORDER.index)
+    assert groups[-1] == "drain", "the destructive checks run last"
+    assert all(c.destructive for c in checks if c.group == "drain")
+    assert not any(c.destructive for c in checks if c.group != "drain")
+    for c in checks:
+        assert c.rule and c.ref.startswith("docs/api.md#"), c.id
+
+
+def test_selection_patterns() -> None:
+    checks = all_checks()
+    every = [c.id for c in checks]
+    assert [c.id for c in select_checks(checks)] == every
+    gen = [c.id for c in select_checks(checks, only=["generate"])]
+    assert gen and all(i.startswith("generate.") for i in gen)
+    assert [c.id for c in select_checks(checks, only=["generate.*"])] == gen
+    both = [c.id for c in select_checks(checks, only=["kv.rank,discovery.release"])]
+    assert both == ["discovery.release", "kv.rank"]  # run order, not argument order
+    some = [c.id for c in select_checks(checks, only=["cancel"], skip=["cancel.abort-*", "cancel.close*"])]
+    assert some == []
+    assert "drain.progress" not in [c.id for c in select_checks(checks, skip=["drain"])]
+    assert [c.id for c in select_checks(checks, only=["kv"], skip=["kv.rank"])] == [
+        "kv.sequence",
+        "kv.resume",
+    ]
+    with pytest.raises(ValueError, match="matches no check"):
+        select_checks(checks, only=["genrate"])
+    # "gen" is neither an id nor a group: no prefix matching inside names
+    with pytest.raises(ValueError):
+        select_checks(checks, only=["gen"])
+
+
+def _check(func: Any, timeout: float = 5.0) -> Check:
+    return Check("unit.check", "a rule", "docs/api.md#x", func, timeout=timeout)
+
+
+async def test_run_check_outcomes() -> None:
+    ctx = Context(SuiteOptions())
+
+    async def passes(ctx: Context) -> str:
+        return "note"
+
+    async def skips(ctx: Context) -> None:
+        raise Skip("not here")
+
+    async def fails(ctx: Context) -> None:
+        raise Fail("broken", ["a", "b"])
+
+    async def lost(ctx: Context) -> None:
+        raise EngineUnavailable("gone")
+
+    async def buggy(ctx: Context) -> None:
+        raise KeyError("x")
+
+    async def slow(ctx: Context) -> None:
+        await trio.sleep_forever()
+
+    async def grouped(ctx: Context) -> None:
+        raise ExceptionGroup("g", [Fail("inside a nursery")])
+
+    r = await run_check(ctx, _check(passes))
+    assert (r.status, r.reason) == (Status.PASS, "note")
+    r = await run_check(ctx, _check(skips))
+    assert (r.status, r.reason) == (Status.SKIP, "not here")
+    r = await run_check(ctx, _check(fails))
+    assert (r.status, r.reason, r.details) == (Status.FAIL, "broken", ["a", "b"])
+    r = await run_check(ctx, _check(lost))
+    assert r.status == Status.FAIL and "EngineUnavailable" in r.reason
+    r = await run_check(ctx, _check(buggy))
+    assert r.status == Status.FAIL and "KeyError" in r.reason
+    r = await run_check(ctx, _check(slow, timeout=0.05))
+    assert r.status == Status.FAIL and "did not finish within 0.05 s" in r.reason
+    r = await run_check(ctx, _check(grouped))
+    assert (r.status, r.reason) == (Status.FAIL, "inside a nursery")
+    assert r.to_json()["status"] == "fail" and r.to_json()["id"] == "unit.check"
+
+
+async def test_context_without_an_engine_skips() -> None:
+    ctx = Context(SuiteOptions())
+    with pytest.raises(Skip, match="--prefill"):
+        ctx.client("prefill")
