@@ -73,6 +73,10 @@ def setup_logging(level: str) -> None:
         level=getattr(logging, level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # The wire-level loggers under grpclib log every header value at DEBUG (routing keys,
+    # application metadata): never let --log-level debug put request metadata in the logs.
+    for name in ("hpack", "h2"):
+        logging.getLogger(name).setLevel(max(logging.INFO, logging.getLogger().level))
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -181,6 +181,8 @@ def decode_frame(frame: str | bytes) -> Command:
         raise FrameDecodeError(f"undecodable {encoding.value} frame: {err}") from None
     except RecursionError:
         raise FrameDecodeError(f"undecodable {encoding.value} frame: nested too deep") from None
+    except UnicodeEncodeError:  # a str with lone surrogates: not UTF-8 (a WebSocket text frame never is)
+        raise FrameDecodeError(f"undecodable {encoding.value} frame: invalid UTF-8") from None
     if type(msg) is wire.Generate:
         return _generate_command(msg, encoding)
     if type(msg) is wire.Cancel:

@@ -30,12 +30,14 @@ from sidecar.core.lifecycle import (
 )
 from sidecar.north import codec
 from sidecar.north.codec import Encoding
+from sidecar.north.ws_batch import send_batch
 from sidecar.openengine import pb
 
 log = logging.getLogger(__name__)
 
 WS_PATH = "/v1/ws"
 CLOSE_UNDECODABLE = 1007
+WRITE_BATCH = 256  # most frames one socket write carries
 CLOSE_POLICY = 1008
 
 
@@ -65,6 +67,9 @@ class WsConfig:
     stall_timeout: float = 30.0
     message_queue_size: int = 16
     auth_token: str | None = None
+    #: A connection that has not completed its WebSocket handshake by then is closed (a
+    #: plaintext client on a TLS port, a client that connects and stays silent).
+    handshake_timeout: float = 10.0
 
 
 class Connection:
@@ -110,9 +115,18 @@ class Connection:
     # -- sending ---------------------------------------------------------------------------
 
     async def _writer(self) -> None:
+        # Everything queued since the last write goes out in one write (ws_batch): one
+        # syscall per batch instead of per token event; each frame stays its own message.
+        receive_nowait = self.out_recv.receive_nowait
         try:
             async for frame in self.out_recv:
-                await self.ws.send_message(frame)
+                batch = [frame]
+                while len(batch) < WRITE_BATCH:
+                    try:
+                        batch.append(receive_nowait())
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                await send_batch(self.ws, batch)
         except ConnectionClosed:
             pass
         finally:
@@ -303,6 +317,7 @@ class NorthPlane:
                     self.ssl_context,
                     max_message_size=cfg.max_message_size,
                     message_queue_size=cfg.message_queue_size,
+                    connect_timeout=cfg.handshake_timeout,
                     task_status=task_status,
                 )
             )

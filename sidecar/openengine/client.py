@@ -30,6 +30,7 @@ import h2.exceptions
 import trio
 import trio_asyncio
 from grpclib.client import Channel
+from grpclib.config import Configuration
 from grpclib.const import Cardinality
 from grpclib.encoding.base import CodecBase
 
@@ -43,6 +44,7 @@ from sidecar.openengine.errors import (
     EngineStatusError,
     EngineUnavailable,
 )
+from sidecar.openengine.fastdecode import decode_token_event
 from sidecar.openengine.rawfields import nested_field_bytes
 from sidecar.openengine.stream_rules import DrainRules, GenerateRules, KvEventRules
 
@@ -64,6 +66,8 @@ class _Codec(CodecBase):
         return bytes(message)
 
     def decode(self, data: bytes, message_type: Any) -> Any:
+        if message_type is pb.GenerateResponse and (fast := decode_token_event(data)) is not None:
+            return fast  # the common token event, decoded by hand (identical result)
         message = message_type.parse(data)
         if message_type is pb.GenerateResponse and message.prefill_ready is not None:
             # Keep the engine's exact KvSessionRef bytes for a byte-for-byte handoff relay.
@@ -91,6 +95,14 @@ def _timeout() -> float | None:
     if math.isinf(deadline):
         return None
     return max(deadline - trio.current_time(), 0.001)
+
+
+#: HTTP/2 flow control per engine connection: a small window per stream, so a stream whose
+#: client stopped reading holds back only its own engine output (~64 KiB), and a large one
+#: per connection, so it never blocks the other streams sharing the channel.
+_CHANNEL_CONFIG = Configuration(
+    http2_stream_window_size=64 * 1024, http2_connection_window_size=16 * 1024 * 1024
+)
 
 
 class _DeadlineHit(Exception):
@@ -194,9 +206,10 @@ class EngineClient:
         if self._closed:
             raise EngineUnavailable("engine client is closed")
         a = self.address
+        kw: dict[str, Any] = {"codec": _Codec(), "status_details_codec": None, "config": _CHANNEL_CONFIG}
         if a.path is not None:
-            return Channel(path=a.path, codec=_Codec(), status_details_codec=None)
-        return Channel(a.host, a.port, codec=_Codec(), status_details_codec=None)
+            return Channel(path=a.path, **kw)
+        return Channel(a.host, a.port, **kw)
 
     def _control_channel(self) -> Channel:
         if self._control is None:

@@ -1,0 +1,221 @@
+"""``openengine-sidecar bench``: what the sidecar costs, against direct clients in the same run.
+
+Starts a fast-mode simulated engine and the sidecar as separate processes, drives them
+with client worker processes, and compares with two anchors reading the same engine
+directly — the sidecar's own ``EngineClient`` and grpcio's asyncio API with the official
+protobuf runtime — in the same run, so ratios hold on a noisy machine. Prints progress,
+a results table and the goals of issue 9; writes every figure and the machine
+description as JSON (``--out``). Every flag also reads ``OPENENGINE_SIDECAR_BENCH_<FLAG>``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import click
+import trio
+
+from sidecar.bench import analysis, machine, procs, report
+from sidecar.bench.config import SCENARIOS, BenchConfig
+from sidecar.bench.pb2 import Pb2Unavailable, generate_pb2
+from sidecar.bench.scenarios import RUNNERS, Bench
+from sidecar.cli_options import option
+
+ENV_PREFIX = "OPENENGINE_SIDECAR_BENCH_"
+
+
+def _opt(*decls: str, **kwargs: Any):  # type: ignore[no-untyped-def]
+    flag = next(d for d in decls if d.startswith("--")).split("/")[0]
+    kwargs.setdefault("envvar", ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper())
+    return option(*decls, **kwargs)
+
+
+def _jsonable(obj: Any) -> Any:
+    """NaN/inf become None (JSON has no NaN); paths become strings."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+async def run_bench(config: BenchConfig, say: Any = print) -> dict[str, Any]:
+    """Run ``config.scenarios``; returns the full results document (also written to ``config.out``)."""
+    import trio_asyncio
+
+    started = time.monotonic()
+
+    def progress(msg: str) -> None:
+        say(f"[{time.monotonic() - started:7.1f}s] {msg}")
+
+    doc: dict[str, Any] = {
+        "command": " ".join(["openengine-sidecar", "bench", *sys.argv[2:]])
+        if sys.argv[1:2] == ["bench"]
+        else None,
+        "started_unix": time.time(),
+        "machine": machine.describe(),
+        "config": {k: v for k, v in config.__dict__.items()},
+        "results": {},
+        "errors": {},
+        "load_average": {},  # 1-minute load average at the start and end of each scenario
+    }
+    progress(
+        f"bench: {', '.join(config.scenarios)}{' (quick)' if config.quick else ''} on "
+        f"{doc['machine']['cores']} x {doc['machine']['cpu_model']}, load {os.getloadavg()[0]:.2f}"
+    )
+    with tempfile.TemporaryDirectory(prefix="oe-bench-") as tmp_s:
+        tmp = Path(tmp_s)
+        pb2_dir: Path | None = None
+        if any(s in config.scenarios for s in ("relay",)):
+            try:
+                pb2_dir = generate_pb2(tmp / "pb2")
+            except Pb2Unavailable as err:
+                progress(f"grpcio anchor unavailable: {err}")
+                doc["errors"]["grpcio"] = str(err)
+        async with trio_asyncio.open_loop():
+            eopts = procs.EngineOptions(
+                max_concurrent_streams=config.engine_stream_limit,
+                lean_load_attributes=config.engine_lean_load,
+            )
+            async with procs.engine(tmp, eopts) as (eng, address):
+                progress(f"engine (pid {eng.pid}) on {address}")
+                async with procs.sidecar(address, command=config.sidecar_command) as sc:
+                    progress(f"sidecar (pid {sc.proc.pid}) on {sc.ws}")
+                    bench = Bench(
+                        config, tmp, eng, address, sc, pb2_dir=pb2_dir, model=eopts.model, say=progress
+                    )
+                    for name in config.scenarios:
+                        load0 = os.getloadavg()[0]
+                        progress(f"scenario {name} (load average {load0:.2f})")
+                        try:
+                            doc["results"][name] = await RUNNERS[name](bench)
+                        except procs.BenchError as err:
+                            progress(f"  ! {name} failed: {err}")
+                            doc["errors"][name] = str(err)
+                        doc["load_average"][name] = [load0, os.getloadavg()[0]]
+                        _write(config.out, doc, started)  # partial results survive an interrupted run
+    return _write(config.out, doc, started)
+
+
+async def _until_signal(config: BenchConfig) -> dict[str, Any] | None:
+    """``run_bench``, stopped cleanly (every child process ended) by SIGINT or SIGTERM: None then."""
+    result: dict[str, Any] | None = None
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+                    return
+
+            async def main() -> None:
+                nonlocal result
+                result = await run_bench(config)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch)
+            nursery.start_soon(main)
+    return result
+
+
+def _write(path: Path, doc: dict[str, Any], started: float) -> dict[str, Any]:
+    doc["goals"] = analysis.goals(doc["results"])
+    doc["machine"]["loadavg_end"] = os.getloadavg()
+    doc["seconds"] = time.monotonic() - started
+    out: dict[str, Any] = _jsonable(doc)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    return out
+
+
+@click.command("bench")
+@_opt("--scenarios", default=",".join(SCENARIOS), show_default=True, help="Comma-separated subset to run.")
+@_opt("--quick", is_flag=True, help="Tiny sizes: every scenario in seconds (smoke run).")
+@_opt(
+    "--out", type=click.Path(dir_okay=False, path_type=Path), default="bench-results.json", show_default=True
+)
+@_opt("--streams", type=click.IntRange(1), default=None, help="Relay: concurrent streams [256].")
+@_opt("--tokens", type=click.IntRange(1), default=None, help="Relay: tokens per stream [500].")
+@_opt("--rounds", type=click.IntRange(1), default=None, help="Relay: rounds of each client [3].")
+@_opt("--connections", type=click.IntRange(1), default=None, help="Load generator WebSocket connections [8].")
+@_opt("--encoding", type=click.Choice(["msgpack", "json"]), default="msgpack", show_default=True)
+@_opt("--coalesce/--no-coalesce", default=True, show_default=True, help="Opt in to coalesced event frames.")
+@_opt("--scale-points", default=None, help="Scale: idle stream counts, comma-separated [1000,10000].")
+@_opt(
+    "--engine-stream-limit",
+    type=click.IntRange(0),
+    default=65536,
+    show_default=True,
+    help="HTTP/2 streams per connection the engine allows (0: grpclib's 100).",
+)
+@_opt(
+    "--engine-load-attributes",
+    type=click.Choice(["lean", "full"]),
+    default="lean",
+    show_default=True,
+    help="GetLoad attributes the engine sends the sidecar: a real engine's few counters, or the "
+    "simulated engine's full ground truth (tens to hundreds of KB, parsed by the sidecar every second).",
+)
+@_opt(
+    "--sidecar-command",
+    default="",
+    help="Run the sidecar with this command instead of 'python -m sidecar' (shell words; it gets "
+    "'run --engine ...' appended): A/B a patched build against the same anchors.",
+)
+@_opt(
+    "--profile",
+    "profile_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Also profile the sidecar (py-spy) during one extra relay round; write here.",
+)
+def bench(**kw: Any) -> None:
+    """Measure what the sidecar costs per token, per request and per stream."""
+    names = tuple(s.strip() for s in kw["scenarios"].split(",") if s.strip())
+    unknown = [s for s in names if s not in SCENARIOS]
+    if unknown:
+        raise click.BadParameter(
+            f"unknown {unknown}; known: {', '.join(SCENARIOS)}", param_hint="--scenarios"
+        )
+    config = BenchConfig(scenarios=names, out=kw["out"], encoding=kw["encoding"], coalesce=kw["coalesce"])
+    config = replace(
+        config,
+        engine_stream_limit=kw["engine_stream_limit"],
+        engine_lean_load=kw["engine_load_attributes"] == "lean",
+        profile_dir=kw["profile_dir"],
+        sidecar_command=tuple(shlex.split(kw["sidecar_command"])),
+    )
+    if kw["quick"]:
+        config = config.quick_sizes()
+    for key in ("streams", "tokens", "rounds", "connections"):
+        if kw[key] is not None:
+            config = replace(config, **{key: kw[key]})
+    if kw["scale_points"]:
+        config = replace(config, scale_points=tuple(int(x) for x in kw["scale_points"].split(",")))
+    doc = trio.run(_until_signal, config)
+    if doc is None:
+        click.echo(
+            f"interrupted: stopped every process; results of finished scenarios are in {config.out}", err=True
+        )
+        sys.exit(130)
+    click.echo("")
+    click.echo(report.render_table(doc["results"]))
+    click.echo("")
+    click.echo(report.render_goals(doc["goals"]))
+    if doc["errors"]:
+        click.echo(f"\nerrors: {json.dumps(doc['errors'], indent=2)[:4000]}")
+    click.echo(f"\nwrote {config.out}")

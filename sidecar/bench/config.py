@@ -1,0 +1,80 @@
+"""Sizes of every scenario: the full run (issue 9's figures) and ``--quick`` (seconds)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+SCENARIOS = ("relay", "short", "latency", "cancel", "scale", "kv", "drain")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    scenarios: tuple[str, ...] = SCENARIOS
+    quick: bool = False
+    # relay throughput: streams x tokens, rounds of (sidecar, EngineClient, grpcio)
+    streams: int = 256
+    tokens: int = 500
+    rounds: int = 3
+    connections: int = 8  # WebSocket connections of the load generator
+    encoding: str = "msgpack"
+    coalesce: bool = True  # ask for coalesced ``events`` frames (used if the sidecar offers them)
+    # short requests (1-token completions): concurrent clients for a duration
+    short_concurrency: int = 64
+    short_seconds: float = 5.0
+    # latency: paced streams (tokens/s each), started at random offsets within ramp_s
+    latency_streams: int = 64
+    latency_rate: float = 30.0
+    latency_tokens: int = 150
+    latency_ramp_s: float = 1.0
+    # cancellation storm
+    cancel_streams: int = 1000
+    cancel_ramp_s: float = 3.0  # phase 1: open them all (each then has a token)
+    cancel_window_s: float = 4.0  # phase 2: each cancelled at a random point of this window (250/s)
+    cancel_token_delay_ms: float = 500.0  # 2 tokens/s per stream: a storm, not a relay overload
+    cancel_disconnect_group: int = 5
+    # scale: idle streams (engine fault stall=1) per point, each on a fresh sidecar
+    scale_points: tuple[int, ...] = (1000, 10000)
+    scale_streams_per_connection: int = 1000
+    # KV bridge (scripts/bench-kvbridge's processes): blast batches, then one paced phase
+    kv_batches: int = 20000
+    kv_rate: int = 6250  # batches/s of 16 events: 100k events/s
+    kv_seconds: float = 3.0
+    # drain: streams in flight at SIGTERM, grace (--drain-timeout) shorter than the streams
+    drain_streams: int = 256
+    drain_grace_s: float = 2.0
+    # the engine
+    engine_stream_limit: int = 65536
+    engine_lean_load: bool = True  # the engine's GetLoad attributes as small as a real engine's
+    profile_dir: Path | None = None
+    sidecar_command: tuple[str, ...] = ()  # () = python -m sidecar
+    out: Path = field(default_factory=lambda: Path("bench-results.json"))
+
+    def quick_sizes(self) -> BenchConfig:
+        """Tiny sizes: every scenario in seconds (the test suite's smoke run)."""
+        return replace(
+            self,
+            quick=True,
+            streams=8,
+            tokens=50,
+            rounds=1,
+            connections=2,
+            short_concurrency=4,
+            short_seconds=0.5,
+            latency_streams=4,
+            latency_rate=50.0,
+            latency_tokens=10,
+            latency_ramp_s=0.1,
+            cancel_streams=20,
+            cancel_ramp_s=0.2,
+            cancel_window_s=0.3,
+            cancel_token_delay_ms=20.0,
+            cancel_disconnect_group=2,
+            scale_points=(50,),
+            scale_streams_per_connection=25,
+            kv_batches=300,
+            kv_rate=1000,
+            kv_seconds=0.3,
+            drain_streams=8,
+            drain_grace_s=0.5,
+        )

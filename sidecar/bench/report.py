@@ -1,0 +1,167 @@
+"""The results table and the goals table (plain text, also pasted into docs/PERFORMANCE.md)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from sidecar.bench.stats import fmt
+
+
+def _ms(x: float | None, signed: bool = False) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:+.2f}" if signed else f"{x:.2f}"
+
+
+def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
+    """(metric, through the sidecar, direct EngineClient, grpcio + protobuf, sidecar vs direct)."""
+    out: list[tuple[str, str, str, str, str]] = []
+    relay = results.get("relay")
+    if relay:
+        cfg = relay["config"]
+        s, e, g = relay.get("sidecar", {}), relay.get("engineclient", {}), relay.get("grpcio", {})
+        r = relay.get("ratios", {})
+        out.append(
+            (
+                f"relay tokens/s ({cfg['streams']} x {cfg['tokens']}, median of {cfg['rounds']})",
+                fmt(s.get("tokens_per_s", math.nan)),
+                fmt(e.get("tokens_per_s", math.nan)),
+                fmt(g.get("tokens_per_s", math.nan)),
+                f"{r.get('throughput_vs_engineclient', math.nan):.2f}x",
+            )
+        )
+        out.append(
+            (
+                "CPU µs per token: sidecar process | client",
+                fmt(s.get("sidecar_cpu_us_per_token", math.nan), 1),
+                fmt(e.get("client_cpu_us_per_token", math.nan), 1),
+                fmt(g.get("client_cpu_us_per_token", math.nan), 1),
+                f"{r.get('sidecar_cpu_per_token_vs_grpcio', math.nan):.2f}x grpcio",
+            )
+        )
+        out.append(
+            (
+                "CPU µs per token: load generator | engine",
+                f"{fmt(s.get('client_cpu_us_per_token', math.nan), 1)} | "
+                f"{fmt(s.get('engine_cpu_us_per_token', math.nan), 1)}",
+                f"- | {fmt(e.get('engine_cpu_us_per_token', math.nan), 1)}",
+                f"- | {fmt(g.get('engine_cpu_us_per_token', math.nan), 1)}",
+                "",
+            )
+        )
+    short = results.get("short")
+    if short and "sidecar" in short:
+        s, e = short["sidecar"], short.get("engineclient", {})
+        out.append(
+            (
+                f"short requests/s (1 token, {short['config']['concurrency']} clients)",
+                fmt(s["requests_per_s"]),
+                fmt(e.get("requests_per_s", math.nan)),
+                "",
+                f"{short.get('ratio_vs_engineclient', math.nan):.2f}x",
+            )
+        )
+    lat = results.get("latency")
+    if lat and "added" in lat:
+        s, e, a = lat["sidecar"], lat["engineclient"], lat["added"]
+        for key, label in (
+            ("ttft_ms", "TTFT"),
+            ("itl_ms", "inter-token gap"),
+            ("oneway_ms", "engine → client"),
+        ):
+            out.append(
+                (
+                    f"{label} p50 | p99 ms ({lat['config']['streams']} streams x {lat['config']['tokens_per_s_per_stream']:g} tok/s)",
+                    f"{_ms(s[key]['p50'])} | {_ms(s[key]['p99'])}",
+                    f"{_ms(e[key]['p50'])} | {_ms(e[key]['p99'])}",
+                    "",
+                    f"{_ms(a[key]['p50'], True)} | {_ms(a[key]['p99'], True)} added",
+                )
+            )
+    cancel = results.get("cancel")
+    if cancel and "sidecar" in cancel:
+        s, e = cancel["sidecar"], cancel.get("engineclient")
+        out.append(
+            (
+                f"cancel → engine p50 | p99 ms ({s['streams']} streams)",
+                f"{_ms(s['latency_ms']['p50'])} | {_ms(s['latency_ms']['p99'])}",
+                f"{_ms(e['latency_ms']['p50'])} | {_ms(e['latency_ms']['p99'])}" if e else "",
+                "",
+                "",
+            )
+        )
+        out.append(
+            ("leaked requests after the storm", str(s["leaked"]), str(e["leaked"]) if e else "", "", "")
+        )
+    scale = results.get("scale")
+    for p in scale.get("points", []) if scale else []:
+        out.append(
+            (f"RSS KiB per idle stream at {p['streams']:,}", fmt(p["rss_kib_per_stream"], 1), "", "", "")
+        )
+    kv = results.get("kv")
+    if kv and "blast" in kv:
+        out.append(
+            (
+                "KV bridge events per bridge CPU-second",
+                fmt(kv["blast"]["events_per_bridge_cpu_s"]),
+                "",
+                "",
+                "",
+            )
+        )
+        p = kv["paced"]
+        out.append(
+            (
+                f"KV bridge added latency p50 | p99 ms at {p['target_events_per_s']:,} ev/s",
+                f"{_ms(p['added_latency_ms']['p50'])} | {_ms(p['added_latency_ms']['p99'])}",
+                "",
+                "",
+                "",
+            )
+        )
+    drain = results.get("drain")
+    if drain and "exit_s" in drain:
+        out.append(
+            (
+                f"drain: SIGTERM → exit s ({drain['streams']} streams, grace {drain['grace_s']:g} s)",
+                _ms(drain["exit_s"]),
+                "",
+                "",
+                "",
+            )
+        )
+    return out
+
+
+def render_table(results: dict[str, Any]) -> str:
+    header = ("metric", "via sidecar", "EngineClient", "grpcio+upb", "sidecar vs direct")
+    body = rows(results)
+    if not body:
+        return "(no results)"
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(5)]
+    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |"]
+    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in body:
+        lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |")
+    return "\n".join(lines)
+
+
+def render_goals(goals: list[dict[str, Any]]) -> str:
+    if not goals:
+        return "(no goals measured)"
+    header = ("goal", "value", "target", "met")
+    body = []
+    for g in goals:
+        v = g["value"]
+        value = "-" if v is None else (f"{v:,.2f}" if isinstance(v, float) and abs(v) < 100 else f"{v:,.0f}")
+        if g["unit"] and v is not None:
+            value += f" {g['unit']}"
+        met = {True: "yes", False: "NO", None: "-"}[g["met"]]
+        body.append((g["goal"], value, g["target"], met))
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(4)]
+    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |"]
+    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in body:
+        lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |")
+    return "\n".join(lines)

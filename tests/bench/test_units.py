@@ -1,0 +1,182 @@
+"""I/O-free parts of the benchmark: frame parser, statistics, analysis, profile summary, report."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from sidecar.bench import analysis, profile, report, stats
+from sidecar.bench.north_load import latency_figures
+from sidecar.bench.wsclient import (
+    OP_BINARY,
+    OP_CLOSE,
+    OP_PING,
+    OP_TEXT,
+    FrameParser,
+    WsError,
+    _mask,
+    encode_frame,
+)
+
+
+def server_frame(opcode: int, payload: bytes, fin: bool = True) -> bytes:
+    n = len(payload)
+    b0 = (0x80 if fin else 0) | opcode
+    if n < 126:
+        head = bytes((b0, n))
+    elif n < 1 << 16:
+        head = bytes((b0, 126)) + n.to_bytes(2, "big")
+    else:
+        head = bytes((b0, 127)) + n.to_bytes(8, "big")
+    return head + payload
+
+
+@pytest.mark.parametrize("size", [0, 1, 125, 126, 65535, 65536, 200_000])
+def test_parser_lengths_and_byte_by_byte_feeding(size: int) -> None:
+    payload = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    data = server_frame(OP_BINARY, payload) + server_frame(OP_TEXT, b"next")
+    parser = FrameParser()
+    if size <= 200:
+        out = [m for i in range(len(data)) for m in parser.feed(data[i : i + 1])]
+    else:
+        out = parser.feed(data[:7]) + parser.feed(data[7:])
+    assert out == [(OP_BINARY, payload), (OP_TEXT, b"next")]
+
+
+def test_parser_joins_fragments_around_control_frames() -> None:
+    data = (
+        server_frame(OP_TEXT, b"he", fin=False)
+        + server_frame(OP_PING, b"p")
+        + server_frame(0x0, b"ll", fin=False)
+        + server_frame(0x0, b"o")
+        + server_frame(OP_CLOSE, (1000).to_bytes(2, "big"))
+    )
+    assert FrameParser().feed(data) == [(OP_PING, b"p"), (OP_TEXT, b"hello"), (OP_CLOSE, b"\x03\xe8")]
+
+
+def test_parser_rejects_a_stray_continuation() -> None:
+    with pytest.raises(WsError):
+        FrameParser().feed(server_frame(0x0, b"x"))
+
+
+@pytest.mark.parametrize("size", [0, 3, 4, 5, 130, 70_000])
+def test_client_frames_are_masked_and_parse_back(size: int) -> None:
+    payload = bytes((i * 7) & 0xFF for i in range(size))
+    key = b"\x01\x02\xfe\xff"
+    frame = encode_frame(OP_BINARY, payload, key)
+    assert frame[0] == 0x80 | OP_BINARY and frame[1] & 0x80  # FIN, masked
+    if size:
+        assert payload not in frame
+    assert FrameParser().feed(frame) == [(OP_BINARY, payload)]
+    assert _mask(_mask(payload, key), key) == payload
+
+
+def test_percentiles_and_summary() -> None:
+    assert stats.pct([], 50) != stats.pct([], 50)  # NaN
+    assert stats.pct([5], 99) == 5
+    assert stats.pct([1, 2, 3, 4], 50) == 2.5
+    assert stats.pct(list(range(101)), 99) == 99
+    s = stats.summary([1.0, 2.0, 3.0], scale=1000)
+    assert s["count"] == 3 and s["p50"] == 2000 and s["max"] == 3000 and s["mean"] == 2000
+    assert stats.added(
+        {"p50": 3, "p90": 4, "p99": 9, "max": 10, "mean": 3},
+        {"p50": 1, "p90": 1, "p99": 2, "max": 3, "mean": 1},
+    ) == {
+        "p50": 2,
+        "p90": 3,
+        "p99": 7,
+        "max": 7,
+        "mean": 2,
+    }
+
+
+def test_proc_parsers() -> None:
+    text = "1234 (python3 (x) y) S 1 1 1 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 3 0 100 0 0"
+    assert stats.parse_stat_cpu(text) == pytest.approx(300 / stats.CLK_TCK)
+    assert stats.parse_status_kib("Name:\tpython\nVmRSS:\t  51234 kB\nVmSwap:\t0 kB\n") == 51234
+    assert stats.cpu_seconds() > 0 and stats.rss_kib() > 0
+
+
+def test_latency_figures_from_records() -> None:
+    ms = 1_000_000
+    out = latency_figures(
+        [0, 100 * ms],
+        [[30 * ms, 60 * ms, 95 * ms], [140 * ms]],
+        [[str(29 * ms), str(59 * ms), "x"], [str(138 * ms)]],
+    )
+    assert out["ttft_ms"]["count"] == 2 and out["ttft_ms"]["max"] == pytest.approx(40)
+    assert sorted([out["itl_ms"]["p50"], out["itl_ms"]["max"]]) == [pytest.approx(32.5), pytest.approx(35)]
+    assert out["oneway_ms"]["count"] == 3 and out["oneway_ms"]["max"] == pytest.approx(2)
+
+
+def test_cancel_figures_match_engine_records() -> None:
+    records = [
+        {"request_id": "a", "kind": "cancel", "cancel_us": 1_000},
+        {"request_id": "b", "kind": "drop", "cancel_us": 2_000},
+        {"request_id": "c", "kind": "cancel", "cancel_us": 3_000},
+    ]
+    fig = analysis.cancel_figures(records, {"a": 3_000.0, "b": 2_500.0, "zzz": 1.0})
+    assert fig["cancels"] == 3
+    assert fig["by_kind_ms"]["cancel"]["p50"] == pytest.approx(2.0)
+    assert fig["by_kind_ms"]["drop"]["p50"] == pytest.approx(0.5)
+    assert fig["latency_ms"]["max"] == pytest.approx(2.0)
+    assert fig["not_seen_by_engine"] == {"cancel": 1}
+    assert analysis.leaks({"requests_in_flight": 3.0, "requests_leaked": 3.0}) == 3
+
+
+def _run(tps: float, tokens: int, cpu: dict[str, float]) -> dict[str, object]:
+    return {"tokens_per_s": tps, "tokens": tokens, "seconds": tokens / tps, "cpu_s": cpu}
+
+
+def test_relay_figures_and_goals() -> None:
+    rounds = {
+        "sidecar": [_run(10_000, 1000, {"self": 0.02, "sidecar": 0.09, "engine": 0.02})] * 3,
+        "engineclient": [_run(12_000, 1000, {"self": 0.05, "engine": 0.02})],
+        "grpcio": [_run(30_000, 1000, {"self": 0.03, "engine": 0.02})],
+    }
+    fig = analysis.relay_figures(rounds)  # type: ignore[arg-type]
+    assert fig["sidecar"]["sidecar_cpu_us_per_token"] == pytest.approx(90)
+    assert fig["grpcio"]["client_cpu_us_per_token"] == pytest.approx(30)
+    assert fig["ratios"]["sidecar_cpu_per_token_vs_grpcio"] == pytest.approx(3)
+    assert fig["ratios"]["throughput_vs_engineclient"] == pytest.approx(10 / 12)
+    goals = {g["goal"]: g for g in analysis.goals({"relay": fig})}
+    assert goals["relay tokens/s at 256 streams"]["met"] is True
+    assert goals["relay vs direct EngineClient"]["met"] is True
+    assert goals["sidecar CPU/token vs grpcio client"]["met"] is True
+    drain = {"exit_s": 3.5, "grace_s": 2.0}
+    (g,) = analysis.goals({"drain": drain})
+    assert g["met"] is False
+    (g,) = analysis.goals({"drain": {"exit_s": math.nan, "grace_s": 2.0}})
+    assert g["met"] is None and g["value"] is None
+
+
+def test_profile_summary_counts_self_and_inclusive_time() -> None:
+    text = "\n".join(
+        [
+            "main (a/site-packages/trio/_run.py:10);pump (/x/sidecar/core/relay.py:5);parse (b/betterproto2/__init__.py:9) 6",
+            "main (a/site-packages/trio/_run.py:10);pump (/x/sidecar/core/relay.py:7) 3",
+            "main (a/site-packages/trio/_run.py:11);send (y/trio/_socket.py:3) 1",
+            "garbage line",
+        ]
+    )
+    s = profile.summarize(text)
+    assert s["samples"] == 10
+    top = s["self"][0]
+    assert top["function"] == "parse (betterproto2/__init__.py)" and top["share"] == pytest.approx(0.6)
+    incl = {r["function"]: r["share"] for r in s["inclusive"]}
+    assert incl["pump (sidecar/core/relay.py)"] == pytest.approx(0.9)
+    assert incl["main (trio/_run.py)"] == pytest.approx(1.0)
+    assert "parse (betterproto2/__init__.py)" in profile.render(s)
+
+
+def test_report_renders_partial_results() -> None:
+    results = {
+        "drain": {"streams": 4, "grace_s": 1.0, "exit_s": 1.2},
+        "scale": {"points": [{"streams": 100, "rss_kib_per_stream": 12.5}]},
+    }
+    table = report.render_table(results)
+    assert "drain" in table and "12.5" in table
+    goals = report.render_goals(analysis.goals(results))
+    assert "yes" in goals
+    assert report.render_table({}) == "(no results)"

@@ -1,0 +1,51 @@
+"""Regressions found by the reliability tests, pinned at unit level (real grpclib engine over
+loopback, the fake engine of tests/openengine)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import trio
+
+from sidecar.core.lifecycle import ClientGone, LifecycleConfig, StreamSupervisor
+from sidecar.openengine import pb
+from sidecar.openengine.client import open_engine_client
+from tests.openengine.fake_engine import FakeEngine, Gate, RunningServer, tokens
+
+
+@pytest.fixture
+async def server(aio_loop: Any) -> AsyncIterator[RunningServer]:
+    srv = RunningServer(FakeEngine())
+    await srv.start()
+    yield srv
+    await srv.stop()
+
+
+async def test_client_gone_raised_inside_a_cancelled_connection_is_contained(server: RunningServer) -> None:
+    """The WebSocket plane, on a client stalled past --stall-timeout, cancels the whole
+    connection's scope and then raises ClientGone from ``emit``. The upstream stream's helper
+    task is cancelled at the same moment, so ClientGone reaches the supervisor inside an
+    exception group with a Cancelled. It used to escape as that group and crash the sidecar's
+    WebSocket server (every connection); now the stream is aborted and only the cancellation of
+    the enclosing scope propagates."""
+    gate = Gate()
+    server.engine.streams["Generate"] = lambda r, md: [*tokens(r.request_id, 2)[:1], gate]
+    async with open_engine_client(server.address) as client, trio.open_nursery() as nursery:
+        sup = StreamSupervisor(client, LifecycleConfig(abort_timeout=1.0, abort_retry_window=2.0))
+        await nursery.start(sup.run_service)
+        connection = trio.CancelScope()
+
+        async def emit(ev: pb.GenerateResponse) -> None:
+            connection.cancel()  # what Connection._close does on a stall ...
+            raise ClientGone  # ... before send() raises this
+
+        with trio.fail_after(5):
+            with connection:
+                await sup.run(sup.admit(pb.GenerateRequest(request_id="r1", model="m", prompt="hi")), emit)
+            assert connection.cancelled_caught
+            aborts = [s.request.request_id for s in server.engine.seen if s.route == "Abort"]
+            assert aborts == ["r1"]
+            assert sup.streams == {}
+        nursery.cancel_scope.cancel()
