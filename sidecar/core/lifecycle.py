@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -104,6 +105,7 @@ class LifecycleConfig:
     inactivity_timeout: float = 0.0  # 0 = none
     max_streams: int = 4096
     error_emit_timeout: float = 1.0
+    max_concurrent_aborts: int = 64
 
 
 class StreamSupervisor:
@@ -122,6 +124,9 @@ class StreamSupervisor:
         self._idle = trio.Event()
         self._idle.set()
         self._retry_nursery: trio.Nursery | None = None
+        #: Abort calls in flight at once (a mass disconnect queues here instead of timing out
+        #: thousands of concurrent calls on the control channel).
+        self._abort_slots = trio.CapacityLimiter(self.config.max_concurrent_aborts)
         self._id_prefix = uuid.uuid4().hex[:12]
         self._next_id = 0
 
@@ -231,16 +236,27 @@ class StreamSupervisor:
         request to the background retrier.
         """
         with trio.CancelScope(shield=True):
+            # Bounded concurrency (a mass disconnect queues here instead of timing out thousands
+            # of concurrent calls); the attempt's timeout starts once it has a slot. No slot
+            # within abort_timeout: the background retrier takes it, so the end is not delayed.
+            slot = False
             with trio.move_on_after(self.config.abort_timeout):
+                await self._abort_slots.acquire()
+                slot = True
+            if slot:
                 try:
-                    metrics.ABORTS.labels(await self._abort_once(request_id)).inc()
-                    return
-                except _RetryableAbort:
-                    pass
-                except EngineClientError as err:
-                    metrics.ABORTS.labels("failed").inc()
-                    log.warning("abort of %s failed: %s", request_id, err)
-                    return
+                    with trio.move_on_after(self.config.abort_timeout):
+                        try:
+                            metrics.ABORTS.labels(await self._abort_once(request_id)).inc()
+                            return
+                        except _RetryableAbort:
+                            pass
+                        except EngineClientError as err:
+                            metrics.ABORTS.labels("failed").inc()
+                            log.warning("abort of %s failed: %s", request_id, err)
+                            return
+                finally:
+                    self._abort_slots.release()
             if self._retry_nursery is not None:
                 self._retry_nursery.start_soon(self._retry_abort, request_id)
             else:
@@ -265,18 +281,21 @@ class StreamSupervisor:
         deadline = trio.current_time() + self.config.abort_retry_window
         delay = 0.05
         while trio.current_time() < deadline:
-            await trio.sleep(min(delay, max(0.0, deadline - trio.current_time())))
+            # jittered exponential backoff: a mass disconnect must not retry in lockstep
+            pause = delay * random.uniform(0.5, 1.5)
+            await trio.sleep(min(pause, max(0.0, deadline - trio.current_time())))
             delay = min(delay * 2, 2.0)
             metrics.ABORT_RETRIES.inc()
-            with trio.move_on_after(self.config.abort_timeout):
-                try:
-                    metrics.ABORTS.labels(await self._abort_once(request_id)).inc()
-                    return
-                except _RetryableAbort:
-                    continue
-                except EngineClientError as err:
-                    log.warning("abort of %s failed: %s", request_id, err)
-                    break
+            async with self._abort_slots:
+                with trio.move_on_after(self.config.abort_timeout):
+                    try:
+                        metrics.ABORTS.labels(await self._abort_once(request_id)).inc()
+                        return
+                    except _RetryableAbort:
+                        continue
+                    except EngineClientError as err:
+                        log.warning("abort of %s failed: %s", request_id, err)
+                        break
         metrics.ABORTS.labels("failed").inc()
         log.warning("abort of %s gave up after %.0fs", request_id, self.config.abort_retry_window)
 

@@ -205,3 +205,33 @@ async def test_admission_gates(supervisor: StreamSupervisor) -> None:
     with pytest.raises(Rejection) as draining:
         supervisor.admit(request("c"))
     assert draining.value.code == pb.ErrorCode.DRAINING and draining.value.retryable
+
+
+async def test_aborts_in_flight_are_bounded(server: RunningServer, supervisor: StreamSupervisor) -> None:
+    """A mass disconnect queues its Aborts: at most max_concurrent_aborts reach the engine at once."""
+    supervisor._abort_slots.total_tokens = 2
+    gate = Gate()
+    in_flight = 0
+    peak = 0
+
+    def abort(r: Any) -> Any:
+        nonlocal in_flight, peak
+        if r.request_id.startswith("done:"):
+            in_flight -= 1
+            return pb.AbortResponse(status=pb.AbortStatus.ABORTED)
+        in_flight += 1
+        peak = max(peak, in_flight)
+        r.request_id = "done:" + r.request_id  # the second call of this handler (after the gate) returns
+        return gate
+
+    server.engine.unary["Abort"] = abort
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            for i in range(6):
+                nursery.start_soon(supervisor.abort, f"m{i}")
+            while len([s for s in server.engine.seen if s.route == "Abort"]) < 2:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+            assert peak == 2
+            gate.event.set()
+    assert peak == 2
+    assert len([s for s in server.engine.seen if s.route == "Abort"]) == 6
