@@ -11,9 +11,7 @@ always bounded.
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,11 +21,10 @@ from typing import Any
 
 import httpx
 import pytest
-import trio
 
 from sidecar.client.sidecar_client import open_sidecar
 from sidecar.dynamo.tokenizer_dir import write_mock_tokenizer_dir
-from tests.e2e.harness import SIDECAR_READY, Proc, eventually, spawn
+from tests.e2e.harness import SIDECAR_READY, Proc, eventually, spawn, spawn_argv
 
 MODEL = "Qwen/Qwen3-0.6B"
 
@@ -65,36 +62,6 @@ def dynamo_env(tmp_path: Path) -> dict[str, str]:
 
 def tokenizer_dir(tmp_path: Path) -> Path:
     return write_mock_tokenizer_dir(tmp_path / "mock-tokenizer")
-
-
-@asynccontextmanager
-async def spawn_argv(argv: list[str], env: dict[str, str]) -> AsyncIterator[Proc]:
-    """Any command with stderr (and stdout) collected; SIGTERM, then kill, on exit."""
-    process = await trio.lowlevel.open_process(
-        argv,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
-    )
-    proc = Proc(process)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(proc._pump)
-        try:
-            yield proc
-        except BaseException:
-            print(f"--- log of {argv[2]} (last 40 lines) ---\n" + "\n".join(proc.lines[-40:]))
-            raise
-        finally:
-            with trio.CancelScope(shield=True):
-                if process.returncode is None:
-                    process.terminate()
-                    with trio.move_on_after(10):
-                        await process.wait()
-                if process.returncode is None:
-                    process.kill()
-                    await process.wait()
-            nursery.cancel_scope.cancel()
 
 
 @dataclass

@@ -71,10 +71,13 @@ class Proc:
 
 
 @asynccontextmanager
-async def spawn(args: list[str], *, env: dict[str, str] | None = None) -> AsyncIterator[Proc]:
-    """Run ``python -m sidecar ARGS`` with stderr captured; terminate it on exit."""
+async def spawn_argv(
+    argv: list[str], env: dict[str, str] | None = None, *, label: str = ""
+) -> AsyncIterator[Proc]:
+    """Run ``argv`` with stderr captured (its log is printed if the body fails); on exit
+    SIGTERM, then kill after 10 s."""
     process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "sidecar", *args],
+        argv,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -86,7 +89,7 @@ async def spawn(args: list[str], *, env: dict[str, str] | None = None) -> AsyncI
         try:
             yield proc
         except BaseException:
-            print(f"--- log of {' '.join(args[:1])} (last 60 lines) ---\n" + "\n".join(proc.lines[-60:]))
+            print(f"--- log of {label or argv[0]} (last 60 lines) ---\n" + "\n".join(proc.lines[-60:]))
             raise
         finally:
             with trio.CancelScope(shield=True):
@@ -98,6 +101,11 @@ async def spawn(args: list[str], *, env: dict[str, str] | None = None) -> AsyncI
                     process.kill()
                     await process.wait()
             nursery.cancel_scope.cancel()
+
+
+def spawn(args: list[str], *, env: dict[str, str] | None = None) -> Any:
+    """``python -m sidecar ARGS`` (see :func:`spawn_argv`)."""
+    return spawn_argv([sys.executable, "-m", "sidecar", *args], env, label=" ".join(args[:1]))
 
 
 @dataclass
