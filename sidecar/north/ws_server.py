@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 WS_PATH = "/v1/ws"
 CLOSE_UNDECODABLE = 1007
 WRITE_BATCH = 256  # most frames one socket write carries
+STALL_CLOSE_GRACE = 5.0  # seconds a stalled client gets to read up to its close frame
 CLOSE_POLICY = 1008
 
 
@@ -154,7 +155,9 @@ class Connection:
             log.warning(
                 "client %s stalled for %.0fs: disconnecting", self.ws.remote, self.config.stall_timeout
             )
-            await self._close(CLOSE_POLICY, "client stalled")
+            # The close frame queues behind what the client has not read (the writer holds the
+            # socket while its last batch drains): give a client that wakes up time to get it.
+            await self._close(CLOSE_POLICY, "client stalled", grace=STALL_CLOSE_GRACE)
             raise ClientGone
 
     async def send_final(self, frame: str | bytes) -> None:
@@ -172,9 +175,11 @@ class Connection:
         await self._writer_done.wait()
         await self._close(1001, "sidecar shutting down")
 
-    async def _close(self, code: int, reason: str) -> None:
+    async def _close(self, code: int, reason: str, grace: float = 1.0) -> None:
+        """Close with ``code`` (shielded, at most ``grace`` seconds; then the TCP connection is
+        dropped and the peer sees 1006)."""
         self.closed = True
-        with trio.move_on_after(1) as scope:
+        with trio.move_on_after(grace) as scope:
             scope.shield = True
             await self.ws.aclose(code, reason)
         self._scope.cancel()
