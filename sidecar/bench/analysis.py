@@ -38,18 +38,23 @@ def relay_figures(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     side, ec, grpc = out.get("sidecar"), out.get("engineclient"), out.get("grpcio")
     ratios: dict[str, float] = {}
     if side and ec:
-        ratios["throughput_vs_engineclient"] = side["tokens_per_s"] / ec["tokens_per_s"]
+        ratios["throughput_vs_engineclient"] = _ratio(side["tokens_per_s"], ec["tokens_per_s"])
     if side and grpc:
-        ratios["throughput_vs_grpcio"] = side["tokens_per_s"] / grpc["tokens_per_s"]
-        ratios["sidecar_cpu_per_token_vs_grpcio"] = (
-            side["sidecar_cpu_us_per_token"] / grpc["client_cpu_us_per_token"]
+        ratios["throughput_vs_grpcio"] = _ratio(side["tokens_per_s"], grpc["tokens_per_s"])
+        ratios["sidecar_cpu_per_token_vs_grpcio"] = _ratio(
+            side["sidecar_cpu_us_per_token"], grpc["client_cpu_us_per_token"]
         )
     if ec and grpc:
-        ratios["engineclient_cpu_per_token_vs_grpcio"] = (
-            ec["client_cpu_us_per_token"] / grpc["client_cpu_us_per_token"]
+        ratios["engineclient_cpu_per_token_vs_grpcio"] = _ratio(
+            ec["client_cpu_us_per_token"], grpc["client_cpu_us_per_token"]
         )
     out["ratios"] = ratios
     return out
+
+
+def _ratio(a: float, b: float) -> float:
+    """a / b; NaN when b is zero or unknown (a tiny --quick run can measure 0 CPU ticks)."""
+    return a / b if b and not math.isnan(b) else math.nan
 
 
 def latency_added(through: dict[str, Any], direct: dict[str, Any]) -> dict[str, Any]:

@@ -180,3 +180,13 @@ def test_report_renders_partial_results() -> None:
     goals = report.render_goals(analysis.goals(results))
     assert "yes" in goals
     assert report.render_table({}) == "(no results)"
+
+
+def test_ratio_with_zero_cpu_is_nan_not_a_crash() -> None:
+    import math
+
+    from sidecar.bench.analysis import _ratio
+
+    assert _ratio(3.0, 2.0) == 1.5
+    assert math.isnan(_ratio(3.0, 0.0))
+    assert math.isnan(_ratio(3.0, math.nan))
