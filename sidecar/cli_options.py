@@ -25,3 +25,11 @@ def option(*decls: str, **kwargs: Any):  # type: ignore[no-untyped-def]
         kwargs["envvar"] = env_name(longs[0].split("/")[0])
         kwargs.setdefault("show_envvar", True)
     return click.option(*decls, **kwargs)
+
+
+def read_token_file(path: str | None) -> str | None:
+    """The bearer token in ``path`` (surrounding whitespace stripped), or None without a path."""
+    if not path:
+        return None
+    with open(path) as f:
+        return f.read().strip()

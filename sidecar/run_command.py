@@ -29,7 +29,7 @@ import trio
 import trio_asyncio
 
 from sidecar import sdnotify
-from sidecar.cli_options import option
+from sidecar.cli_options import option, read_token_file
 from sidecar.core.lifecycle import LifecycleConfig
 from sidecar.core.sidecar import OUTCOME_SHUTDOWN, Sidecar, SidecarConfig, StartupError
 from sidecar.dynamo.config import DynamoConfig, DynamoConfigError
@@ -268,11 +268,9 @@ def run(**opts: Any) -> None:
     """Serve one OpenEngine engine to routers and frontends."""
     listen = split_host_port(opts["listen"], "--listen")
     split_host_port(opts["http_listen"], "--http-listen")
-    token = None
-    if opts["auth_token_file"]:
-        token = Path(opts["auth_token_file"]).read_text().strip()
-        if not token:
-            raise click.BadParameter("the token file is empty", param_hint="--auth-token-file")
+    token = read_token_file(opts["auth_token_file"])
+    if opts["auth_token_file"] and not token:
+        raise click.BadParameter("the token file is empty", param_hint="--auth-token-file")
     config = SidecarConfig(
         model=opts["model"],
         expected_engine=opts["expected_engine"],

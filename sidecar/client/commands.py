@@ -12,7 +12,7 @@ import click
 import msgspec
 import trio
 
-from sidecar.cli_options import option
+from sidecar.cli_options import option, read_token_file
 from sidecar.client.disagg import DisaggFlow, open_disagg
 from sidecar.client.sidecar_client import SidecarConnectionError, SidecarStream, open_sidecar
 from sidecar.north import wire
@@ -114,6 +114,33 @@ def _describe(error: wire.ErrorBody | None) -> str:
     return f"{error.code}: {error.message}{retry}"
 
 
+_CLIENT_OPTIONS = [
+    option("--max-tokens", type=click.IntRange(min=1), default=None, help="Stop after this many tokens."),
+    option("--model", default=None, help="Served model name or alias (default: the sidecar's model)."),
+    option("--json", "as_json", is_flag=True, help="Print each event and the end as JSON lines."),
+    option(
+        "--encoding",
+        type=click.Choice(["json", "msgpack"]),
+        default="json",
+        show_default=True,
+        help="Frame encoding on the WebSocket(s).",
+    ),
+    option(
+        "--auth-token-file",
+        type=click.Path(exists=True, dir_okay=False),
+        default=None,
+        help="File holding the sidecar's bearer token (for a sidecar run with --auth-token-file).",
+    ),
+]
+
+
+def client_options(f: Any) -> Any:
+    """The flags ``generate`` and ``disagg`` share."""
+    for decorator in reversed(_CLIENT_OPTIONS):
+        f = decorator(f)
+    return f
+
+
 @click.command("generate")
 @click.argument("prompt")
 @option(
@@ -123,22 +150,7 @@ def _describe(error: wire.ErrorBody | None) -> str:
     show_default=True,
     help="Sidecar WebSocket URL (ws:// or wss://; /v1/ws is added when the URL has no path).",
 )
-@option("--max-tokens", type=click.IntRange(min=1), default=None, help="Stop after this many tokens.")
-@option("--model", default=None, help="Served model name or alias (default: the sidecar's model).")
-@option("--json", "as_json", is_flag=True, help="Print each event and the end as JSON lines.")
-@option(
-    "--encoding",
-    type=click.Choice(["json", "msgpack"]),
-    default="json",
-    show_default=True,
-    help="Frame encoding on the WebSocket.",
-)
-@option(
-    "--auth-token-file",
-    type=click.Path(exists=True, dir_okay=False),
-    default=None,
-    help="File holding the sidecar's bearer token (for a sidecar run with --auth-token-file).",
-)
+@client_options
 def generate(
     prompt: str,
     sidecar_url: str,
@@ -154,10 +166,7 @@ def generate(
     to confirm; a second Ctrl-C exits at once. Exit status: 0 completed, 1 failed or
     rejected (the error is printed), 130 cancelled by Ctrl-C.
     """
-    token = None
-    if auth_token_file:
-        with open(auth_token_file) as f:
-            token = f.read().strip()
+    token = read_token_file(auth_token_file)
     try:
         status = trio.run(
             lambda: run_generate(
@@ -294,28 +303,13 @@ async def run_disagg(
     required=True,
     help="Decode sidecar WebSocket URL (repeatable, tried in order).",
 )
-@option("--max-tokens", type=click.IntRange(min=1), default=None, help="Stop after this many tokens.")
-@option("--model", default=None, help="Served model name or alias (default: the sidecars' model).")
-@option("--json", "as_json", is_flag=True, help="Print each event and the flow's end as JSON lines.")
-@option(
-    "--encoding",
-    type=click.Choice(["json", "msgpack"]),
-    default="json",
-    show_default=True,
-    help="Frame encoding on the WebSockets.",
-)
+@client_options
 @option(
     "--connect-timeout",
     type=click.FloatRange(min=0.1),
     default=5.0,
     show_default=True,
     help="Seconds to connect to and describe one sidecar before trying the next.",
-)
-@option(
-    "--auth-token-file",
-    type=click.Path(exists=True, dir_okay=False),
-    default=None,
-    help="File holding the sidecars' bearer token.",
 )
 def disagg(
     prompt: str,
@@ -336,10 +330,7 @@ def disagg(
     The decode's text goes to stdout. Ctrl-C cancels both sides and waits for them; a second
     Ctrl-C exits at once. Exit status: 0 completed, 1 failed or rejected, 130 cancelled by Ctrl-C.
     """
-    token = None
-    if auth_token_file:
-        with open(auth_token_file) as f:
-            token = f.read().strip()
+    token = read_token_file(auth_token_file)
     try:
         status = trio.run(
             lambda: run_disagg(
