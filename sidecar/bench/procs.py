@@ -13,94 +13,50 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import trio
 
+from sidecar.childproc import (
+    ENGINE_READY,
+    SIDECAR_READY,
+    ChildLineTimeout,
+    ChildProcess,
+    loopback_run_args,
+    spawn_child,
+)
+
 #: GetLoad metadata for the engine's full ground truth (see ``engine_proc.lean_load_attributes``).
 REPORT_FULL = ("mock-report", "full")
-ENGINE_READY = re.compile(r"serving OpenEngine on (\S+?);?\s")
-SIDECAR_READY = re.compile(r"serving (ws://\S+) and (http://\S+)")
 
 
 class BenchError(Exception):
     """A benchmark process failed; the message carries the tail of its log."""
 
 
-@dataclass
-class Proc:
-    """A child process whose stderr lines are collected as they arrive (the last 400)."""
-
-    name: str
-    process: trio.Process
-    lines: deque[str] = field(default_factory=lambda: deque(maxlen=400))
-    _changed: trio.Event = field(default_factory=trio.Event)
-    _seen: int = 0
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def tail(self, n: int = 30) -> str:
-        return "\n".join(list(self.lines)[-n:])
-
-    async def wait_for_line(self, pattern: re.Pattern[str], timeout: float = 60) -> re.Match[str]:
-        with trio.move_on_after(timeout):
-            while True:
-                for line in list(self.lines):
-                    if m := pattern.search(line):
-                        return m
-                if self.process.returncode is not None:
-                    break
-                await self._changed.wait()
-        raise BenchError(f"{self.name}: no line matching {pattern.pattern!r}; log:\n{self.tail()}")
-
-    async def pump(self, stream: Any) -> None:
-        buf = b""
-        async for chunk in stream:
-            buf += chunk
-            *done, buf = buf.split(b"\n")
-            self.lines.extend(d.decode(errors="replace") for d in done)
-            self._changed.set()
-            self._changed = trio.Event()
-        if buf:
-            self.lines.append(buf.decode(errors="replace"))
-        self._changed.set()
+#: A benchmark child process (its last 400 log lines are kept).
+Proc = ChildProcess
 
 
 @asynccontextmanager
-async def spawn(name: str, argv: list[str], *, env: dict[str, str] | None = None) -> AsyncIterator[Proc]:
-    """Run ``argv`` with stderr pumped into ``Proc.lines``; SIGTERM (then SIGKILL) on exit."""
-    process = await trio.lowlevel.open_process(
-        argv,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-    )
-    proc = Proc(name, process)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(proc.pump, process.stderr)
-        try:
-            yield proc
-        finally:
-            with trio.CancelScope(shield=True):
-                if process.returncode is None:
-                    process.send_signal(signal.SIGTERM)
-                    with trio.move_on_after(15):
-                        await process.wait()
-                if process.returncode is None:
-                    process.kill()
-                    await process.wait()
-            nursery.cancel_scope.cancel()
+async def spawn(name: str, argv: list[str]) -> AsyncIterator[Proc]:
+    """Run ``argv`` with its stderr collected; SIGTERM (then SIGKILL after 15 s) on exit."""
+    async with spawn_child(argv, name=name, term_timeout=15, keep_lines=400) as proc:
+        yield proc
+
+
+async def wait_ready(proc: Proc, pattern: re.Pattern[str]) -> re.Match[str]:
+    """The readiness line of ``proc`` (60 s at most), else :class:`BenchError`."""
+    try:
+        return await proc.wait_for_line(pattern, timeout=60)
+    except ChildLineTimeout as err:
+        raise BenchError(str(err)) from None
 
 
 @dataclass(frozen=True)
@@ -128,7 +84,7 @@ async def engine(tmp: Path, opts: EngineOptions) -> AsyncIterator[tuple[Proc, st
     argv += ["--max-queue", str(opts.capacity), "--total-kv-blocks", str(opts.capacity * 40)]
     argv += ["--max-output-tokens", "1000000", "--orphans", "hold", "--orphan-timeout", "3600"]
     async with spawn("engine", argv) as proc:
-        m = await proc.wait_for_line(ENGINE_READY)
+        m = await wait_ready(proc, ENGINE_READY)
         yield proc, m.group(1)
 
 
@@ -145,12 +101,10 @@ async def sidecar(engine_address: str, *extra: str, command: Sequence[str] = ())
 
     ``command`` replaces ``python -m sidecar`` (e.g. a script that patches the sidecar before
     running its CLI, to measure a change against the same anchors)."""
-    argv = [*(command or (sys.executable, "-m", "sidecar")), "run", "--engine", engine_address]
-    argv += ["--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"]
-    argv += ["--kv-publish", "tcp://127.0.0.1:0", "--kv-replay", "tcp://127.0.0.1:0"]
+    argv = [*(command or (sys.executable, "-m", "sidecar")), *loopback_run_args(engine_address)]
     argv += ["--max-streams", "50000", "--max-streams-per-connection", "50000", *extra]
     async with spawn("sidecar", argv) as proc:
-        m = await proc.wait_for_line(SIDECAR_READY)
+        m = await wait_ready(proc, SIDECAR_READY)
         yield Sidecar(proc, m.group(1), m.group(2))
 
 
@@ -170,13 +124,13 @@ async def run_worker(
         stderr=subprocess.PIPE,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-    errlog = Proc(f"worker {spec['mode']}", process)
+    errlog = Proc(f"worker {spec['mode']}", process, keep_lines=400)
     result: dict[str, Any] | None = None
     error: str | None = None
     try:
         with trio.move_on_after(timeout) as deadline:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(errlog.pump, process.stderr)
+                nursery.start_soon(errlog.pump)
                 assert process.stdout is not None and process.stdin is not None
                 buf = b""
                 async for chunk in process.stdout:

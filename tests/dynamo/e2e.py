@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
+from sidecar.childproc import loopback_run_args
 from sidecar.client.sidecar_client import open_sidecar
 from sidecar.dynamo.tokenizer_dir import write_mock_tokenizer_dir
 from tests.e2e.harness import SIDECAR_READY, Proc, eventually, spawn, spawn_argv
@@ -139,23 +140,7 @@ async def dynamo_sidecar(
 ) -> AsyncIterator[DynamoSidecar]:
     """``run --dynamo`` (file discovery in this test's deployment) in front of ``engine_address``."""
     ready = tmp_path / f"{name}.json"
-    argv = [
-        "run",
-        "--engine",
-        engine_address,
-        "--listen",
-        "127.0.0.1:0",
-        "--http-listen",
-        "127.0.0.1:0",
-        "--kv-publish",
-        "tcp://127.0.0.1:0",
-        "--kv-replay",
-        "tcp://127.0.0.1:0",
-        "--ready-file",
-        str(ready),
-        "--dynamo",
-        *args,
-    ]
+    argv = [*loopback_run_args(engine_address), "--ready-file", str(ready), "--dynamo", *args]
     async with spawn(argv, env=dynamo_env(tmp_path)) as proc:
         m = await proc.wait_for_line(SIDECAR_READY, timeout=30)
 

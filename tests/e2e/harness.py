@@ -7,67 +7,23 @@ assertions (``proc.lines``). Leaving the context terminates (then kills) what is
 
 from __future__ import annotations
 
-import os
-import re
-import signal
-import subprocess
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import trio
 
+from sidecar.childproc import ENGINE_READY, SIDECAR_READY, ChildProcess, loopback_run_args, spawn_child
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
 
-ENGINE_READY = re.compile(r"serving OpenEngine on (\S+)")
-SIDECAR_READY = re.compile(r"serving (ws://\S+) and (http://\S+)")
+__all__ = ["ENGINE_READY", "SIDECAR_READY", "Proc"]  # re-exported for the tests
 
-
-@dataclass
-class Proc:
-    """A child process with its stderr lines collected as they arrive."""
-
-    process: trio.Process
-    lines: list[str] = field(default_factory=list)
-    _changed: trio.Event = field(default_factory=trio.Event)
-
-    async def wait_for_line(self, pattern: re.Pattern[str], timeout: float = 20) -> re.Match[str]:
-        """Return the first log line matching ``pattern`` (waiting for it), or fail with the log."""
-        with trio.move_on_after(timeout):
-            seen = 0
-            while True:
-                for line in self.lines[seen:]:
-                    if m := pattern.search(line):
-                        return m
-                seen = len(self.lines)
-                if self.process.returncode is not None:
-                    break
-                await self._changed.wait()
-        raise AssertionError(f"no line matching {pattern.pattern!r}; log:\n" + "\n".join(self.lines[-40:]))
-
-    async def _pump(self) -> None:
-        assert self.process.stderr is not None
-        buf = b""
-        async for chunk in self.process.stderr:
-            buf += chunk
-            *done, buf = buf.split(b"\n")
-            self.lines.extend(d.decode(errors="replace") for d in done)
-            self._changed.set()
-            self._changed = trio.Event()
-        if buf:
-            self.lines.append(buf.decode(errors="replace"))
-        self._changed.set()
-
-    def signal(self, sig: int) -> None:
-        self.process.send_signal(sig)
-
-    async def wait(self, timeout: float = 30) -> int:
-        with trio.fail_after(timeout):
-            return await self.process.wait()
+#: A child process with its stderr lines (see :mod:`sidecar.childproc`).
+Proc = ChildProcess
 
 
 @asynccontextmanager
@@ -76,31 +32,12 @@ async def spawn_argv(
 ) -> AsyncIterator[Proc]:
     """Run ``argv`` with stderr captured (its log is printed if the body fails); on exit
     SIGTERM, then kill after 10 s."""
-    process = await trio.lowlevel.open_process(
-        argv,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-    )
-    proc = Proc(process)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(proc._pump)
-        try:
-            yield proc
-        except BaseException:
-            print(f"--- log of {label or argv[0]} (last 60 lines) ---\n" + "\n".join(proc.lines[-60:]))
-            raise
-        finally:
-            with trio.CancelScope(shield=True):
-                if process.returncode is None:
-                    process.send_signal(signal.SIGTERM)
-                    with trio.move_on_after(10):
-                        await process.wait()
-                if process.returncode is None:
-                    process.kill()
-                    await process.wait()
-            nursery.cancel_scope.cancel()
+
+    def print_log(child: Proc) -> None:
+        print(f"--- log of {child.name} (last 60 lines) ---\n" + child.tail(60))
+
+    async with spawn_child(argv, name=label or argv[0], env=env, on_error=print_log) as proc:
+        yield proc
 
 
 def spawn(args: list[str], *, env: dict[str, str] | None = None) -> Any:
@@ -133,22 +70,7 @@ class Sidecar:
 @asynccontextmanager
 async def sidecar(engine_address: str, *args: str) -> AsyncIterator[Sidecar]:
     """``openengine-sidecar run`` in front of ``engine_address`` on ephemeral ports."""
-    async with spawn(
-        [
-            "run",
-            "--engine",
-            engine_address,
-            "--listen",
-            "127.0.0.1:0",
-            "--http-listen",
-            "127.0.0.1:0",
-            "--kv-publish",
-            "tcp://127.0.0.1:0",
-            "--kv-replay",
-            "tcp://127.0.0.1:0",
-            *args,
-        ]
-    ) as proc:
+    async with spawn([*loopback_run_args(engine_address), *args]) as proc:
         m = await proc.wait_for_line(SIDECAR_READY)
         yield Sidecar(proc, m.group(1), m.group(2))
 
