@@ -194,6 +194,13 @@ async def _drain_on_signal(sidecar: Sidecar, signals: Any) -> None:
     "--drain-engine/--no-drain-engine", default=False, show_default=True, help="Also call the engine's Drain."
 )
 @option("--health-interval", type=float, default=1.0, show_default=True)
+@option(
+    "--call-timeout",
+    type=float,
+    default=5.0,
+    show_default=True,
+    help="Bound of one control call (Health, GetLoad, discovery, LoRA); two Health timeouts in a row mark the engine lost.",
+)
 @option("--load-interval", type=float, default=1.0, show_default=True, help="GetLoad polling interval.")
 @option(
     "--inactivity-timeout",
@@ -279,6 +286,7 @@ def run(**opts: Any) -> None:
         drain_timeout=opts["drain_timeout"],
         drain_engine=opts["drain_engine"],
         health_interval=opts["health_interval"],
+        call_timeout=opts["call_timeout"],
         load_interval=opts["load_interval"],
         lora_root=_lora_root(opts["lora_root"]),
         lifecycle=LifecycleConfig(

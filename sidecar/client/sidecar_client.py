@@ -15,7 +15,10 @@ sidecar (and so the engine) -- read your streams, or leave their blocks.
 Cancellation: leaving a ``generate`` block before its ``end`` (break, exception,
 cancellation) sends ``cancel`` and waits, shielded and bounded by ``cancel_timeout``, for
 the ``end``. Losing the connection ends every open stream and call with
-``SidecarConnectionError``.
+``SidecarConnectionError`` -- and so does cancelling the scope around ``open_sidecar`` (or
+leaving its block): once the reader has stopped, no stream waits for an ``end`` that can no
+longer arrive, so the cancellation completes promptly (the sidecar cancels and aborts the
+streams of a closed connection itself).
 """
 
 from __future__ import annotations
@@ -273,6 +276,11 @@ class SidecarClient:
             with trio.move_on_after(self._cancel_timeout) as scope:
                 scope.shield = True
                 await self._ws.aclose(1011, "client error")
+        finally:
+            # Cancelled (the scope around ``open_sidecar`` was cancelled, or its block is
+            # closing): no ``end`` or result can arrive any more, so nothing may wait for one
+            # (a stream leaving its block would otherwise wait its whole ``cancel_timeout``).
+            self._connection_lost(None, "connection to sidecar closed by the client")
 
     async def _dispatch(self, msg: wire.ServerMessage) -> None:
         if type(msg) is wire.Event:

@@ -224,7 +224,9 @@ class StreamSupervisor:
             outcome = OUTCOME_COMPLETED
         else:
             outcome = handle.cancel_reason or Outcome(CANCELLED, pb.ErrorCode.CANCELLED, "cancelled")
-        metrics.STREAMS.labels(outcome.kind, error_code_name(outcome.code) if outcome.code else "").inc()
+        metrics.child(
+            metrics.STREAMS, outcome.kind, error_code_name(outcome.code) if outcome.code else ""
+        ).inc()
         return outcome
 
     # -- abort -----------------------------------------------------------------------------
@@ -247,20 +249,20 @@ class StreamSupervisor:
                 try:
                     with trio.move_on_after(self.config.abort_timeout):
                         try:
-                            metrics.ABORTS.labels(await self._abort_once(request_id)).inc()
+                            metrics.child(metrics.ABORTS, await self._abort_once(request_id)).inc()
                             return
                         except _RetryableAbort:
                             pass
                         except EngineClientError as err:
-                            metrics.ABORTS.labels("failed").inc()
+                            metrics.child(metrics.ABORTS, "failed").inc()
                             log.warning("abort of %s failed: %s", request_id, err)
                             return
                 finally:
                     self._abort_slots.release()
             if self._retry_nursery is not None:
-                self._retry_nursery.start_soon(self._retry_abort, request_id)
+                self._retry_nursery.start_soon(self._retry_abort, request_id, slot)
             else:
-                metrics.ABORTS.labels("failed").inc()
+                metrics.child(metrics.ABORTS, "failed").inc()
 
     async def _abort_once(self, request_id: str) -> str:
         try:
@@ -277,26 +279,31 @@ class StreamSupervisor:
             return "already_finished"
         return "aborted"
 
-    async def _retry_abort(self, request_id: str) -> None:
+    async def _retry_abort(self, request_id: str, attempted: bool = True) -> None:
+        """Retry an Abort in the background within ``abort_retry_window``. ``attempted`` False:
+        it never got a slot (a mass disconnect's queue), so its first attempt is no retry: it
+        waits for a slot without a backoff pause and is not counted in ``abort_retries``."""
         deadline = trio.current_time() + self.config.abort_retry_window
         delay = 0.05
         while trio.current_time() < deadline:
-            # jittered exponential backoff: a mass disconnect must not retry in lockstep
-            pause = delay * random.uniform(0.5, 1.5)
-            await trio.sleep(min(pause, max(0.0, deadline - trio.current_time())))
-            delay = min(delay * 2, 2.0)
-            metrics.ABORT_RETRIES.inc()
+            if attempted:
+                # jittered exponential backoff: a mass disconnect must not retry in lockstep
+                pause = delay * random.uniform(0.5, 1.5)
+                await trio.sleep(min(pause, max(0.0, deadline - trio.current_time())))
+                delay = min(delay * 2, 2.0)
+                metrics.ABORT_RETRIES.inc()
+            attempted = True
             async with self._abort_slots:
                 with trio.move_on_after(self.config.abort_timeout):
                     try:
-                        metrics.ABORTS.labels(await self._abort_once(request_id)).inc()
+                        metrics.child(metrics.ABORTS, await self._abort_once(request_id)).inc()
                         return
                     except _RetryableAbort:
                         continue
                     except EngineClientError as err:
                         log.warning("abort of %s failed: %s", request_id, err)
                         break
-        metrics.ABORTS.labels("failed").inc()
+        metrics.child(metrics.ABORTS, "failed").inc()
         log.warning("abort of %s gave up after %.0fs", request_id, self.config.abort_retry_window)
 
 
@@ -359,21 +366,36 @@ class _Relay:
             self.outcome = OUTCOME_COMPLETED
 
     async def _pump(self, stream: Any, idle: trio.CancelScope, timeout: float) -> None:
-        emit, started = self.emit, self.handle.admitted_at
-        last = None
-        async for ev in stream:
-            token = ev.token
-            if token is not None:
-                now = trio.current_time()
-                metrics.TOKENS.inc(len(token.tokens) or 1)
-                if last is None:
-                    metrics.TTFT.observe(now - started)
+        """Relay every event to ``emit``. Per token only a few integer operations: tokens are
+        added to ``TOKENS`` in bulk (every ``TOKENS_FLUSH`` and at the end), ``TTFT`` once,
+        ``ITL`` on a sample (the first gap, then one in ``ITL_SAMPLE``)."""
+        emit, started, now = self.emit, self.handle.admitted_at, trio.current_time
+        flush, sample = metrics.TOKENS_FLUSH, metrics.ITL_SAMPLE
+        tokens = events = 0
+        gap_start: float | None = None  # set at the token event that opens a sampled gap
+        try:
+            async for ev in stream:
+                token = ev.token
+                if token is not None:
+                    tokens += len(token.tokens) or 1
+                    events += 1
+                    if gap_start is not None:
+                        metrics.ITL.observe(now() - gap_start)
+                        gap_start = None
+                    if events == 1:
+                        gap_start = now()
+                        metrics.TTFT.observe(gap_start - started)
+                    elif events % sample == 0:
+                        gap_start = now()
+                    if tokens >= flush:
+                        metrics.TOKENS.inc(tokens)
+                        tokens = 0
+                if timeout:
+                    idle.deadline = math.inf
+                    await emit(ev)
+                    idle.deadline = trio.current_time() + timeout
                 else:
-                    metrics.ITL.observe(now - last)
-                last = now
-            if timeout:
-                idle.deadline = math.inf
-                await emit(ev)
-                idle.deadline = trio.current_time() + timeout
-            else:
-                await emit(ev)
+                    await emit(ev)
+        finally:
+            if tokens:
+                metrics.TOKENS.inc(tokens)

@@ -24,6 +24,7 @@ from sidecar.core.card import WorkerCard, with_loras
 from sidecar.core.discovery import compare_cards, discover, fetch_loras
 from sidecar.core.errors import DiscoveryError, Rejection
 from sidecar.core.lifecycle import CANCELLED, LifecycleConfig, Outcome, StreamHandle, StreamSupervisor
+from sidecar.core.load import MalformedLoadInfo, attributes_dict, split_load_info
 from sidecar.openengine import pb
 from sidecar.openengine.client import EngineClient
 from sidecar.openengine.errors import EngineClientError, EngineStatusError
@@ -32,6 +33,9 @@ log = logging.getLogger(__name__)
 
 OUTCOME_DRAIN_DEADLINE = Outcome(CANCELLED, pb.ErrorCode.DRAINING, "drain deadline reached", retryable=True)
 OUTCOME_SHUTDOWN = Outcome(CANCELLED, pb.ErrorCode.CANCELLED, "the sidecar is shutting down", retryable=True)
+
+#: Attributes up to this size are converted on the event loop (a thread hop costs more).
+_INLINE_ATTRIBUTES = 4096
 
 _SERVING_HEALTH = {pb.HealthState.READY, pb.HealthState.DEGRADED}
 
@@ -47,6 +51,9 @@ class SidecarConfig:
     health_interval: float = 1.0
     load_interval: float = 1.0
     load_stale_after: float = 5.0
+    #: ``GetLoad`` attributes larger than this are not converted (counted, logged; the card
+    #: shows none). Conversion costs ~50 µs of CPU per KiB every poll (in a worker thread).
+    load_attributes_max_bytes: int = 256 * 1024
     call_timeout: float = 5.0
     reconnect_initial: float = 0.1
     reconnect_max: float = 5.0
@@ -76,6 +83,7 @@ class Sidecar:
         self.engine_state: str = "unknown"  # health state name, or "unreachable"
         self.problem: str | None = "starting"  # blocks serving when set
         self._engine_lost = trio.Event()
+        metrics.ENGINE_CHANNELS.set_function(lambda: getattr(engine, "generate_channel_count", 0))
 
     # -- readiness -------------------------------------------------------------------------
 
@@ -262,10 +270,16 @@ class Sidecar:
         On loss: not ready; reconnect with backoff; rediscover; serve again only when the
         engine is the same (role, models, ranks, connector) — else stay not ready, with the
         reason in the log and on ``/ready``.
+
+        An engine that refuses the connection or fails the call is lost at once; one that
+        does not answer within ``call_timeout`` only on the second such check in a row (an
+        overloaded host can delay one control call; turning not ready would then reject every
+        new stream for nothing). ``openengine_sidecar_health_checks{result}`` counts both.
         """
         task_status.started()
         cfg = self.config
         lost = False
+        slow_in_a_row = 0
         delay = cfg.reconnect_initial
         while True:
             with trio.move_on_after(cfg.reconnect_max if lost else cfg.health_interval):
@@ -287,6 +301,8 @@ class Sidecar:
                             log.info("engine at %s is back; rediscovered", self.engine.address)
                         lost = False
                         delay = cfg.reconnect_initial
+                metrics.child(metrics.HEALTH_CHECKS, "ok").inc()
+                slow_in_a_row = 0
                 if health.state in _SERVING_HEALTH:
                     self._set_problem(None)
                 else:
@@ -294,6 +310,14 @@ class Sidecar:
             except DiscoveryError as err:
                 self._set_problem(f"rediscovery failed: {err}")
             except (EngineClientError, trio.TooSlowError) as err:
+                slow = isinstance(err, trio.TooSlowError)
+                metrics.child(metrics.HEALTH_CHECKS, "slow" if slow else "failed").inc()
+                slow_in_a_row = slow_in_a_row + 1 if slow else 0
+                if slow_in_a_row == 1 and not lost and self.card is not None:
+                    log.warning(
+                        "engine health check got no answer in %.1fs; checking again", cfg.call_timeout
+                    )
+                    continue
                 self.engine_state = "unreachable"
                 if not lost:
                     log.warning("engine at %s lost: %s", self.engine.address, err or "no answer in time")
@@ -309,18 +333,40 @@ class Sidecar:
         ``errorCount``) and marks the snapshot stale at once; the per-rank gauges are then
         removed rather than left showing old numbers. A snapshot is also stale once older
         than ``load_stale_after`` (at least two intervals).
+
+        The answer is kept off the event loop's critical path: received as bytes, parsed
+        without its ``attributes``; those are converted in a worker thread when over 4 KiB
+        and dropped (``openengine_sidecar_load_attributes_dropped``) when over
+        ``load_attributes_max_bytes``.
         """
         cfg = self.config
         self.load.stale_after = max(self.load.stale_after, 2 * cfg.load_interval)
         task_status.started()
         next_poll = trio.current_time()
+        warned = False
         while True:
             try:
                 with trio.fail_after(cfg.call_timeout):
-                    info = await self.engine.get_load(include_per_rank=True)
-                self.load.record(info, now=trio.current_time())
+                    data = await self.engine.get_load_bytes(include_per_rank=True)
+                info, raw = split_load_info(data)
+                attributes: dict[str, Any] | None = None
+                if raw is not None and len(raw) > cfg.load_attributes_max_bytes:
+                    metrics.LOAD_ATTRIBUTES_DROPPED.inc()
+                    if not warned:
+                        warned = True
+                        log.warning(
+                            "GetLoad attributes of %d bytes exceed the limit of %d: not shown"
+                            " (counted in openengine_sidecar_load_attributes_dropped; logged once)",
+                            len(raw),
+                            cfg.load_attributes_max_bytes,
+                        )
+                elif raw is not None and len(raw) > _INLINE_ATTRIBUTES:
+                    attributes = await trio.to_thread.run_sync(attributes_dict, raw, abandon_on_cancel=True)
+                else:
+                    attributes = attributes_dict(raw)
+                self.load.record(info, now=trio.current_time(), attributes=attributes)
                 _export_load(info)
-            except (EngineClientError, trio.TooSlowError) as err:
+            except (EngineClientError, trio.TooSlowError, MalformedLoadInfo) as err:
                 metrics.LOAD_POLL_ERRORS.inc()
                 self.load.record_error(str(err) or "GetLoad timed out")
                 _clear_load_gauges()

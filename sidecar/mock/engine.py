@@ -169,6 +169,7 @@ class MockEngine:
         self.tasks: set[asyncio.Task[Any]] = set()
         self._ids = itertools.count(1)
         self._drops_left = config.faults.drop_aborts
+        self.slow_health_left = 0  # armed by the first accepted request (fault slow-health)
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -288,6 +289,8 @@ class MockEngine:
                 sched.release(req)
                 raise Rejection("RESOURCE_EXHAUSTED", f"overloaded: {err}") from None
         self.requests[rid] = req
+        if self.counters.requests_accepted == 0 and self.config.faults.slow_health:
+            self.slow_health_left = self.config.faults.slow_health
         self.counters.requests_accepted += 1
         self.counters.served_by_rank[req.rank] += 1
         self.recent[rid] = _recent_entry(request, req)

@@ -7,6 +7,8 @@ Engine-wide faults (``--fault``):
                            begins; Generate answers UNAVAILABLE meanwhile.
 ``unhealthy[=AFTER_S]``    Health reports NOT_READY (with a failing ``model`` check) from
                            AFTER_S seconds (default 0) after start; generation still works.
+``slow-health[=N]``        Once the engine has accepted a Generate request, its next N Health
+                           calls (default 1) answer after 2 s (a stalled control path).
 ``wrong-revision[=N]``     ServerInfo.schema_revision = N (default 0, invalid).
 ``wrong-min-client[=N]``   ServerInfo.minimum_client_revision = N (default 4).
 ``wrong-release[=S]``      ServerInfo.schema_release = S (default ``main``).
@@ -136,6 +138,7 @@ ENGINE_FAULTS = (
         {
             "slow-start",
             "unhealthy",
+            "slow-health",
             "wrong-revision",
             "wrong-min-client",
             "wrong-release",
@@ -186,6 +189,7 @@ class Faults:
 
     slow_start: float | None = None
     unhealthy_after: float | None = None
+    slow_health: int | None = None
     wrong_revision: int | None = None
     wrong_min_client: int | None = None
     wrong_release: str | None = None
@@ -311,6 +315,8 @@ def parse_faults(specs: Iterable[str], *, role: str = "aggregated") -> Faults:
             kw["wrong_role"] = value
         elif name == "drop-aborts":
             kw["drop_aborts"] = _int(name, value, -1)
+        elif name == "slow-health":
+            kw["slow_health"] = _int(name, value, 1)
         elif name == "kv-gap":
             kw["kv_gap"] = _int(name, value, 1)
         elif name == "kv-publisher-restart":

@@ -6,6 +6,7 @@ this module never imports grpclib.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -26,6 +27,8 @@ log = logging.getLogger(__name__)
 #: GetLoad metadata asking for ``attributes.cancel_seen_us``: {request id: µs since the epoch when
 #: the engine first saw its client leave or an Abort naming it} (benchmarks: cancel -> engine).
 REPORT_CANCEL_TIMES = ("mock-report", "cancel-times")
+#: How long a Health call waits under the ``slow-health`` fault.
+SLOW_HEALTH_DELAY = 2.0
 
 
 def _status(rej: Rejection | LoraError) -> RpcStatusError:
@@ -93,6 +96,9 @@ class ControlService(pb.ControlBase):
         return self.engine.load(message.include_per_rank, report_cancel_times=report)
 
     async def health(self, message: pb.HealthRequest) -> pb.HealthResponse:
+        if self.engine.slow_health_left > 0:  # fault slow-health
+            self.engine.slow_health_left -= 1
+            await asyncio.sleep(SLOW_HEALTH_DELAY)
         return self.engine.health(message)
 
     async def abort(self, message: pb.AbortRequest) -> pb.AbortResponse:

@@ -1,14 +1,24 @@
-"""Several WebSocket messages in one socket write.
+"""Several WebSocket messages in one socket write, and a write that yields to a close frame.
 
 trio-websocket sends each message with its own ``send_all`` (one syscall per token event),
 which was a quarter of the sidecar's CPU when relaying (docs/PERFORMANCE.md). Frames queued
-for one connection are encoded into WebSocket frames together and written at once. Each
-is still its own WebSocket message (the protocol is unchanged).
+for one connection are encoded into WebSocket frames together and written at once, up to
+:data:`MAX_WRITE` bytes per write. Each is still its own WebSocket message (the protocol is
+unchanged).
+
+A client that stops reading leaves a write blocked with the socket (trio-websocket's
+``_stream_lock``) held, so a close frame (the stalled client's 1008) would queue behind the
+rest of that write — and on a stuck TCP connection every further window of data can wait for
+a zero-window probe, seconds apart. :meth:`BatchWriter.interrupt` stops the write in progress
+at the end of the frame being written (plain TCP: the write goes through the socket's own
+``send``, so it knows how far it got); the frames after it are dropped and the close frame is
+the next thing on the wire after the kernel's buffers. Over TLS the write cannot be split
+(``SSLStream``): the close frame follows the write in progress (at most :data:`MAX_WRITE`).
 
 This uses trio-websocket's internals (``_wsproto``, ``_stream``, ``_stream_lock``,
 ``_close_reason``, ``_abort_web_socket``), exactly as its own ``_send`` does; the dependency
-is pinned to the 0.12 series, and :func:`supported` falls back to ``send_message`` per frame
-if a release renames them.
+is pinned to the 0.12 series (see ``sidecar.north.ws_adapter``), and :func:`supported` falls
+back to ``send_message`` per frame if a release renames them.
 """
 
 from __future__ import annotations
@@ -19,6 +29,9 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 from wsproto.events import BytesMessage, TextMessage
 
+#: Most bytes one socket write carries (a single larger frame is written alone).
+MAX_WRITE = 64 * 1024
+
 _INTERNALS = ("_wsproto", "_stream", "_stream_lock", "_close_reason", "_abort_web_socket")
 
 
@@ -27,22 +40,88 @@ def supported(ws: WebSocketConnection) -> bool:
     return all(hasattr(ws, name) for name in _INTERNALS)
 
 
-async def send_batch(ws: WebSocketConnection, frames: Sequence[str | bytes]) -> None:
-    """Send ``frames`` in order as separate messages with one write; ``ConnectionClosed`` as
-    ``send_message`` would raise it."""
-    if not supported(ws):
-        for frame in frames:
-            await ws.send_message(frame)
-        return
-    if ws._close_reason:
-        raise ConnectionClosed(ws._close_reason)
-    proto = ws._wsproto
-    data = b"".join(
-        proto.send(TextMessage(data=f) if isinstance(f, str) else BytesMessage(data=f)) for f in frames
-    )
-    async with ws._stream_lock:
-        try:
-            await ws._stream.send_all(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            await ws._abort_web_socket()
-            raise ConnectionClosed(ws._close_reason) from None
+async def send_batch(
+    ws: WebSocketConnection, frames: Sequence[str | bytes], *, max_write: int = MAX_WRITE
+) -> None:
+    """``BatchWriter(ws).send(frames)``: for a one-off batch."""
+    await BatchWriter(ws, max_write=max_write).send(frames)
+
+
+class BatchWriter:
+    """The send side of one connection (one task sends; any task may :meth:`interrupt`)."""
+
+    def __init__(self, ws: WebSocketConnection, *, max_write: int = MAX_WRITE) -> None:
+        self.ws = ws
+        self.max_write = max_write
+        self.interrupted = False
+        self._scope: trio.CancelScope | None = None
+
+    def interrupt(self) -> None:
+        """The connection is about to be closed: stop the write in progress at the end of the
+        frame being written, drop the rest, and send nothing more (:meth:`send` then raises
+        ConnectionClosed)."""
+        self.interrupted = True
+        if self._scope is not None:
+            self._scope.cancel()
+
+    async def send(self, frames: Sequence[str | bytes]) -> None:
+        """Send ``frames`` in order as separate messages, one socket write per ``max_write``
+        bytes (frame-aligned; a larger frame alone), the socket released between writes;
+        ``ConnectionClosed`` as ``send_message`` would raise it, or once interrupted."""
+        ws = self.ws
+        if not supported(ws):
+            for frame in frames:
+                await ws.send_message(frame)
+            return
+        if ws._close_reason or self.interrupted:
+            raise ConnectionClosed(ws._close_reason)
+        encode = ws._wsproto.send
+        chunks: list[tuple[bytes, list[int]]] = []  # (bytes, end offset of each frame)
+        parts: list[bytes] = []
+        ends: list[int] = []
+        size = 0
+        for f in frames:
+            data = encode(TextMessage(data=f) if isinstance(f, str) else BytesMessage(data=f))
+            if parts and size + len(data) > self.max_write:
+                chunks.append((b"".join(parts), ends))
+                parts, ends, size = [], [], 0
+            parts.append(data)
+            size += len(data)
+            ends.append(size)
+        if parts:
+            chunks.append((b"".join(parts), ends))
+        stream = ws._stream
+        for data, frame_ends in chunks:
+            async with ws._stream_lock:
+                if ws._close_reason or self.interrupted:
+                    # closed while we waited: nothing may follow the close frame
+                    raise ConnectionClosed(ws._close_reason)
+                try:
+                    if isinstance(stream, trio.SocketStream):
+                        await self._write_frames(stream.socket, data, frame_ends)
+                    else:
+                        await stream.send_all(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    await ws._abort_web_socket()
+                    raise ConnectionClosed(ws._close_reason) from None
+            if self.interrupted:
+                raise ConnectionClosed(ws._close_reason)
+
+    async def _write_frames(self, sock: trio.socket.SocketType, data: bytes, frame_ends: list[int]) -> None:
+        """Write ``data``; when interrupted, stop at the end of the frame in progress. (A trio
+        socket's ``send`` that raises Cancelled sent nothing, so ``sent`` is exact.)"""
+        view = memoryview(data)
+        sent = 0
+        with trio.CancelScope() as scope:
+            self._scope = scope
+            if self.interrupted:
+                scope.cancel()
+            try:
+                while sent < len(data):
+                    sent += await sock.send(view[sent:])
+            finally:
+                self._scope = None
+        if sent < len(data):  # interrupted: complete the frame in progress, if one is
+            boundary = next(end for end in frame_ends if end >= sent) if sent else 0
+            while sent < boundary:
+                sent += await sock.send(view[sent:boundary])

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import trio
-from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, serve_websocket
+from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest
 
 from sidecar.core import metrics
 from sidecar.core.errors import Rejection
@@ -28,9 +28,9 @@ from sidecar.core.lifecycle import (
     Outcome,
     StreamHandle,
 )
-from sidecar.north import codec
+from sidecar.north import codec, ws_adapter
 from sidecar.north.codec import Encoding
-from sidecar.north.ws_batch import send_batch
+from sidecar.north.ws_batch import BatchWriter
 from sidecar.openengine import pb
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 WS_PATH = "/v1/ws"
 CLOSE_UNDECODABLE = 1007
 WRITE_BATCH = 256  # most frames one socket write carries
+COALESCE_MAX = 64 * 1024  # most bytes of events merged into one ``events`` frame
 STALL_CLOSE_GRACE = 5.0  # seconds a stalled client gets to read up to its close frame
 CLOSE_POLICY = 1008
 
@@ -73,14 +74,73 @@ class WsConfig:
     handshake_timeout: float = 10.0
 
 
-class Connection:
-    """One client connection: reader, single writer, per-stream tasks (see module doc)."""
+class FinalText(str):
+    """An ``end`` / ``result`` / ``protocol_error`` JSON frame of a coalescing connection:
+    queued like any frame, never merged into an ``events`` frame (a subclass, so the writer
+    needs no unwrapping; wsproto sends it as the text it is; msgspec does not decode it)."""
 
-    def __init__(self, ws: WebSocketConnection, host: StreamHost, config: WsConfig) -> None:
+    __slots__ = ()
+
+
+class FinalBytes(bytes):
+    """The msgpack counterpart of :class:`FinalText`."""
+
+    __slots__ = ()
+
+
+def final(frame: str | bytes) -> str | bytes:
+    """Mark ``frame`` as one that is never coalesced."""
+    return FinalText(frame) if isinstance(frame, str) else FinalBytes(frame)
+
+
+def coalesce_queued(frames: list[str | bytes], max_bytes: int = COALESCE_MAX) -> list[str | bytes]:
+    """Merge each run of consecutive ``event`` frames of one encoding (at most ``max_bytes``
+    of them) into one ``events`` frame (docs/PROTOCOL.md, "Coalesced events"). Everything
+    keeps its place: a final frame (:func:`final`) or a change of encoding ends a run, and a
+    run of one stays as it was."""
+    out: list[str | bytes] = []
+    run: list[Any] = []
+    run_type: type | None = None
+    size = 0
+
+    def flush() -> None:
+        if len(run) == 1:
+            out.append(run[0])
+        elif run:
+            out.append(codec.coalesce_events(run, Encoding.JSON if run_type is str else Encoding.MSGPACK))
+        run.clear()
+
+    for frame in frames:
+        kind = type(frame)
+        if kind is not str and kind is not bytes:  # final
+            flush()
+            out.append(frame)
+            continue
+        if run and (kind is not run_type or size + len(frame) > max_bytes):
+            flush()
+        if not run:
+            run_type, size = kind, 0
+        run.append(frame)
+        size += len(frame)
+    flush()
+    return out
+
+
+class Connection:
+    """One client connection: reader, single writer, per-stream tasks (see module doc).
+
+    ``coalesce``: the client opted in to ``events`` frames (``/v1/ws?coalesce=1``); the
+    writer then merges the event frames it finds queued together."""
+
+    def __init__(
+        self, ws: WebSocketConnection, host: StreamHost, config: WsConfig, *, coalesce: bool = False
+    ) -> None:
         self.ws = ws
+        self.coalesce = coalesce
         self.host = host
         self.config = config
         self.out_send, self.out_recv = trio.open_memory_channel[str | bytes](config.out_buffer)
+        self.batch = BatchWriter(ws)
         self.streams: dict[str | int, StreamHandle] = {}
         self.closed = False
         self._scope = trio.CancelScope()
@@ -127,7 +187,7 @@ class Connection:
                         batch.append(receive_nowait())
                     except (trio.WouldBlock, trio.EndOfChannel):
                         break
-                await send_batch(self.ws, batch)
+                await self.batch.send(coalesce_queued(batch) if self.coalesce else batch)
         except ConnectionClosed:
             pass
         finally:
@@ -155,15 +215,18 @@ class Connection:
             log.warning(
                 "client %s stalled for %.0fs: disconnecting", self.ws.remote, self.config.stall_timeout
             )
-            # The close frame queues behind what the client has not read (the writer holds the
-            # socket while its last batch drains): give a client that wakes up time to get it.
+            # The write in progress stops at the end of its current frame (ws_batch), so the
+            # close frame queues only behind the kernel's buffers: a client that wakes up
+            # within the grace reads what was on its way, then the close frame.
+            self.batch.interrupt()
             await self._close(CLOSE_POLICY, "client stalled", grace=STALL_CLOSE_GRACE)
             raise ClientGone
 
     async def send_final(self, frame: str | bytes) -> None:
-        """Send an ``end``/``result``: never raises; dropped when the client is gone."""
+        """Send an ``end``/``result``/``protocol_error``: never raises (dropped when the
+        client is gone), never coalesced."""
         try:
-            await self.send(frame)
+            await self.send(final(frame) if self.coalesce else frame)
         except ClientGone:
             pass
 
@@ -306,27 +369,23 @@ class NorthPlane:
                 await request.reject(401)
                 return
             ws = await request.accept()
-            conn = Connection(ws, self.host, cfg)
+            conn = Connection(ws, self.host, cfg, coalesce=_opted_in(request.path))
             self.connections.add(conn)
             try:
                 await conn.serve()
             finally:
                 self.connections.discard(conn)
 
-        async with trio.open_nursery() as nursery:
-            server = await nursery.start(
-                lambda task_status: serve_websocket(
-                    handler,
-                    listen_host,
-                    listen_port,
-                    self.ssl_context,
-                    max_message_size=cfg.max_message_size,
-                    message_queue_size=cfg.message_queue_size,
-                    connect_timeout=cfg.handshake_timeout,
-                    task_status=task_status,
-                )
-            )
-            task_status.started(server.port)
+        await ws_adapter.serve(
+            handler,
+            listen_host,
+            listen_port,
+            self.ssl_context,
+            max_message_size=cfg.max_message_size,
+            message_queue_size=cfg.message_queue_size,
+            handshake_timeout=cfg.handshake_timeout,
+            task_status=task_status,
+        )
 
     async def close_gracefully(self, timeout: float = 2.0) -> None:
         """Flush every connection's queued frames, then close it with 1001 (going away)."""
@@ -334,6 +393,14 @@ class NorthPlane:
             async with trio.open_nursery() as nursery:
                 for conn in list(self.connections):
                     nursery.start_soon(conn.finish)
+
+
+def _opted_in(path: str) -> bool:
+    """``coalesce=1`` in the query string of the handshake (docs/PROTOCOL.md)."""
+    from urllib.parse import parse_qs
+
+    _, _, query = path.partition("?")
+    return parse_qs(query).get("coalesce", [""])[-1] == "1"
 
 
 def _authorized(request: WebSocketRequest, token: str) -> bool:

@@ -1,9 +1,12 @@
 """The trio-facing OpenEngine client: every RPC of ``Inference`` and ``Control``.
 
-Resources: a small pool of grpclib channels (HTTP/2 connections) — one for control calls,
-one for KV-event subscriptions, and ``generate_channels`` for Generate streams — so
-control traffic never queues behind token streams. Channels reconnect lazily: after the
-engine restarts, the next call opens a new connection (callers add backoff).
+Resources: grpclib channels (HTTP/2 connections) — one for control calls, one for KV-event
+subscriptions, and a pool for Generate streams (at least ``generate_channels``, at most
+``max_streams_per_channel`` streams each and never more than the engine's
+``SETTINGS_MAX_CONCURRENT_STREAMS``; grown and shrunk with the load, see
+:mod:`sidecar.openengine.channel_pool`) — so control traffic never queues behind token
+streams. Channels reconnect lazily: after the engine restarts, the next call opens a new
+connection (callers add backoff).
 
 Cancellation: each call's whole grpclib lifecycle (open, send, receive, close) runs in ONE
 asyncio coroutine that trio awaits once (NOTES.md: wrapping ``open()`` itself leaks the
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator, Callable, Collection, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -37,6 +40,7 @@ from grpclib.encoding.base import CodecBase
 from sidecar.nursery import open_background_nursery
 from sidecar.openengine import pb
 from sidecar.openengine.address import EngineAddress, parse_engine_address
+from sidecar.openengine.channel_pool import GeneratePool, SettingsAwareChannel
 from sidecar.openengine.errors import (
     STATUS_TO_CODE,
     EngineClientError,
@@ -50,6 +54,7 @@ from sidecar.openengine.stream_rules import DrainRules, GenerateRules, KvEventRu
 
 MetadataLike = Mapping[str, str] | Collection[tuple[str, str]]
 T = TypeVar("T")
+Picked = tuple[Channel, Callable[[], None]]
 
 _INFERENCE = "/openengine.v1.Inference/"
 _CONTROL = "/openengine.v1.Control/"
@@ -73,6 +78,19 @@ class _Codec(CodecBase):
             # Keep the engine's exact KvSessionRef bytes for a byte-for-byte handoff relay.
             message.raw_kv_session = nested_field_bytes(data, 4, 1)
         return message
+
+
+class _Serialized:
+    """A reply type that keeps the message's bytes (``_Codec.decode`` calls :meth:`parse`)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    @classmethod
+    def parse(cls, data: bytes) -> _Serialized:
+        return cls(bytes(data))
 
 
 class _Rules(Protocol):
@@ -189,16 +207,37 @@ class EngineClient:
     """Trio-native calls to one engine. Create with :func:`open_engine_client`."""
 
     def __init__(
-        self, address: EngineAddress, *, generate_channels: int = 4, stream_buffer: int = 64
+        self,
+        address: EngineAddress,
+        *,
+        generate_channels: int = 4,
+        stream_buffer: int = 64,
+        max_streams_per_channel: int = 128,
+        max_generate_channels: int = 256,
+        idle_channel_close: float = 5.0,
     ) -> None:
         self.address = address
-        self._generate_pool_size = max(1, generate_channels)
         self._stream_buffer = stream_buffer
         self._control: Channel | None = None
         self._kv: Channel | None = None
-        self._generate: list[Channel] = []
-        self._generate_load: list[int] = []
+        self._generate = GeneratePool(
+            self._new_channel,
+            min_channels=generate_channels,
+            max_streams_per_channel=max_streams_per_channel,
+            max_channels=max_generate_channels,
+            idle_close=idle_channel_close,
+        )
         self._closed = False
+
+    @property
+    def generate_channel_count(self) -> int:
+        """HTTP/2 connections in the Generate pool (for metrics)."""
+        return self._generate.channel_count
+
+    @property
+    def generate_stream_count(self) -> int:
+        """Generate streams holding a place in the pool (for metrics)."""
+        return self._generate.stream_count
 
     # -- channels (asyncio side only) -------------------------------------------------
 
@@ -208,8 +247,8 @@ class EngineClient:
         a = self.address
         kw: dict[str, Any] = {"codec": _Codec(), "status_details_codec": None, "config": _CHANNEL_CONFIG}
         if a.path is not None:
-            return Channel(path=a.path, **kw)
-        return Channel(a.host, a.port, **kw)
+            return SettingsAwareChannel(path=a.path, **kw)
+        return SettingsAwareChannel(a.host, a.port, **kw)
 
     def _control_channel(self) -> Channel:
         if self._control is None:
@@ -221,21 +260,13 @@ class EngineClient:
             self._kv = self._new_channel()
         return self._kv
 
-    def _pick_generate_channel(self) -> int:
-        if len(self._generate) < self._generate_pool_size:
-            self._generate.append(self._new_channel())
-            self._generate_load.append(0)
-            return len(self._generate) - 1
-        return min(range(len(self._generate)), key=self._generate_load.__getitem__)
-
     async def aclose(self) -> None:
         """Close every connection (idempotent). In-flight calls fail with EngineUnavailable."""
         if self._closed:
             return
         self._closed = True
-        channels = [c for c in (self._control, self._kv, *self._generate) if c is not None]
+        channels = [c for c in (self._control, self._kv, *self._generate.close()) if c is not None]
         self._control = self._kv = None
-        self._generate, self._generate_load = [], []
 
         async def close_all() -> None:
             for ch in channels:
@@ -285,6 +316,16 @@ class EngineClient:
         request = pb.GetLoadRequest(include_per_rank=include_per_rank)
         return await self._unary(_CONTROL + "GetLoad", request, pb.LoadInfo, metadata)
 
+    async def get_load_bytes(
+        self, include_per_rank: bool = True, *, metadata: MetadataLike | None = None
+    ) -> bytes:
+        """GetLoad, the answer as the engine's serialized ``LoadInfo``: nothing is parsed while
+        it is received (a poller can parse what it needs, and large ``attributes`` off the
+        event loop: ``sidecar.core.load.split_load_info``)."""
+        request = pb.GetLoadRequest(include_per_rank=include_per_rank)
+        reply = await self._unary(_CONTROL + "GetLoad", request, _Serialized, metadata)
+        return reply.data
+
     async def health(
         self, request: pb.HealthRequest | None = None, *, metadata: MetadataLike | None = None
     ) -> pb.HealthResponse:
@@ -330,7 +371,7 @@ class EngineClient:
         reply_type: type[T],
         rules: _Rules,
         metadata: MetadataLike | None,
-        pick: Callable[[], tuple[Channel, Callable[[], None]]],
+        pick: Callable[[], Picked | Awaitable[Picked]],
         request_id: str = "",
     ) -> AsyncIterator[EngineStream[T]]:
         send, receive = trio.open_memory_channel[T](self._stream_buffer)
@@ -342,8 +383,10 @@ class EngineClient:
         async def pump() -> None:
             # asyncio side: the whole call lives here (NOTES.md). Messages go to trio with
             # send_nowait (no loop hop); only a full channel awaits trio (back-pressure).
-            channel, release = pick()
+            release: Callable[[], None] | None = None
             try:
+                picked = pick()
+                channel, release = picked if isinstance(picked, tuple) else await picked
                 async with channel.request(
                     route, Cardinality.UNARY_STREAM, type(request), reply_type, timeout=timeout, metadata=md
                 ) as st:
@@ -358,7 +401,8 @@ class EngineClient:
             except Exception as exc:
                 stream._failure = _translate(exc, what)
             finally:
-                release()
+                if release is not None:
+                    release()
                 send.close()
 
         async with open_background_nursery() as nursery:
@@ -369,16 +413,8 @@ class EngineClient:
                 nursery.cancel_scope.cancel()
                 receive.close()
 
-    def _pick_generate(self) -> tuple[Channel, Callable[[], None]]:
-        i = self._pick_generate_channel()
-        channel = self._generate[i]
-        self._generate_load[i] += 1
-
-        def release() -> None:
-            if i < len(self._generate_load) and self._generate[i] is channel:
-                self._generate_load[i] -= 1
-
-        return channel, release
+    async def _pick_generate(self) -> Picked:
+        return await self._generate.acquire()
 
     def generate(
         self,
@@ -434,15 +470,31 @@ class EngineClient:
 
 @asynccontextmanager
 async def open_engine_client(
-    address: str | EngineAddress, *, generate_channels: int = 4, stream_buffer: int = 64
+    address: str | EngineAddress,
+    *,
+    generate_channels: int = 4,
+    stream_buffer: int = 64,
+    max_streams_per_channel: int = 128,
+    max_generate_channels: int = 256,
+    idle_channel_close: float = 5.0,
 ) -> AsyncIterator[EngineClient]:
     """An :class:`EngineClient` for ``address`` (``host:port``, ``http://host:port``, ``unix:///path``).
 
     No connection is made until the first call. Raises :class:`EngineConfigError` for an
-    address it cannot parse. Closes every connection on exit.
+    address it cannot parse. Closes every connection on exit. ``generate_channels`` is the
+    Generate pool's minimum size; ``max_streams_per_channel`` caps the streams per connection
+    (below the engine's own advertised cap); ``max_generate_channels`` bounds the pool;
+    extra channels are closed ``idle_channel_close`` seconds after their last stream ended.
     """
     addr = address if isinstance(address, EngineAddress) else parse_engine_address(address)
-    client = EngineClient(addr, generate_channels=generate_channels, stream_buffer=stream_buffer)
+    client = EngineClient(
+        addr,
+        generate_channels=generate_channels,
+        stream_buffer=stream_buffer,
+        max_streams_per_channel=max_streams_per_channel,
+        max_generate_channels=max_generate_channels,
+        idle_channel_close=idle_channel_close,
+    )
     try:
         yield client
     finally:

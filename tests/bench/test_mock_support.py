@@ -94,11 +94,15 @@ async def test_lean_load_has_only_scalar_counters(aio_loop: Any) -> None:
     assert len(bytes(lean)) < len(bytes(full))
 
 
-@pytest.mark.parametrize(("limit", "expected"), [(0, 100), (1000, 150)])
+@pytest.mark.parametrize(("limit", "loads"), [(0, [(100, 100), (50, 100)]), (1000, [(150, 1000)])])
 async def test_engine_launcher_raises_the_http2_stream_limit(
-    aio_loop: Any, tmp_path: Path, limit: int, expected: int
+    aio_loop: Any, tmp_path: Path, limit: int, loads: list[tuple[int, int]]
 ) -> None:
-    """grpclib servers allow 100 streams per connection; the bench's launcher lifts that."""
+    """grpclib servers allow 100 streams per connection; the bench's launcher lifts that.
+
+    EngineClient reads the limit the engine advertises and opens another connection when one
+    is full, so all 150 streams reach the engine either way: over two connections of at most
+    100 streams with grpclib's default, over one with the launcher's 1,000."""
     sock = tmp_path / "e.sock"
     argv = [sys.executable, "-m", "sidecar.bench.engine_proc", "--max-concurrent-streams", str(limit)]
     argv += [
@@ -113,7 +117,9 @@ async def test_engine_launcher_raises_the_http2_stream_limit(
     with trio.fail_after(40):
         async with procs.spawn("engine", argv) as proc:
             address = (await proc.wait_for_line(procs.ENGINE_READY)).group(1)
-            async with open_engine_client(address, generate_channels=1) as client:
+            async with open_engine_client(
+                address, generate_channels=1, max_streams_per_channel=1000
+            ) as client:
                 counters: dict[str, Any] = {}
 
                 async def one(i: int) -> None:
@@ -126,13 +132,15 @@ async def test_engine_launcher_raises_the_http2_stream_limit(
                         nursery.start_soon(one, i)
                     while True:  # the engine's own count, polled: another process
                         counters = await procs.engine_counters(address)
-                        if counters["streams_open"] >= expected:
+                        if counters["streams_open"] >= 150:
                             break
                         await trio.sleep(0.05)
                     await trio.sleep(0.3)
                     counters = await procs.engine_counters(address)
+                    pool = client._generate.loads()
                     lean = (await client.get_load()).attributes
                     nursery.cancel_scope.cancel()
-    assert counters["streams_open"] == expected
+    assert counters["streams_open"] == 150
+    assert pool == loads
     assert "recent_requests" in counters  # the bench's own queries get the full ground truth
     assert lean is not None and "recent_requests" not in lean.to_dict()

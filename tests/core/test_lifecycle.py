@@ -235,3 +235,63 @@ async def test_aborts_in_flight_are_bounded(server: RunningServer, supervisor: S
             gate.event.set()
     assert peak == 2
     assert len([s for s in server.engine.seen if s.route == "Abort"]) == 6
+
+
+async def test_token_metrics_added_in_bulk_and_itl_sampled(
+    server: RunningServer, supervisor: StreamSupervisor
+) -> None:
+    """TOKENS is exact once the stream ends (added every TOKENS_FLUSH and at the end); TTFT is
+    observed once; ITL on the first gap, then one gap in ITL_SAMPLE."""
+    from sidecar.core import metrics
+    from sidecar.metrics import REGISTRY
+
+    def value(name: str) -> float:
+        return REGISTRY.get_sample_value(name) or 0.0
+
+    n = 150
+    server.engine.streams["Generate"] = lambda r, md: tokens(r.request_id, n)
+    before = [
+        value(x)
+        for x in (
+            "openengine_sidecar_tokens_relayed_total",
+            "openengine_sidecar_time_to_first_token_seconds_count",
+            "openengine_sidecar_inter_token_seconds_count",
+        )
+    ]
+    with trio.fail_after(5):
+        outcome = await supervisor.run(supervisor.admit(request("bulk")), Sink())
+    assert outcome.kind == COMPLETED
+    after = [
+        value(x)
+        for x in (
+            "openengine_sidecar_tokens_relayed_total",
+            "openengine_sidecar_time_to_first_token_seconds_count",
+            "openengine_sidecar_inter_token_seconds_count",
+        )
+    ]
+    assert after[0] - before[0] == n
+    assert after[1] - before[1] == 1
+    assert after[2] - before[2] == 1 + (n - 1) // metrics.ITL_SAMPLE
+
+
+async def test_queued_abort_is_not_counted_as_a_retry(
+    server: RunningServer, supervisor: StreamSupervisor
+) -> None:
+    """An Abort that waited abort_timeout for a slot (a mass disconnect's queue) goes to the
+    background retrier, which sends it once a slot frees: not counted in abort_retries."""
+    from sidecar.metrics import REGISTRY
+
+    supervisor._abort_slots.total_tokens = 1
+    supervisor.config.abort_timeout = 0.2
+    holder = object()
+    await supervisor._abort_slots.acquire_on_behalf_of(holder)  # every slot busy
+    retries_before = REGISTRY.get_sample_value("openengine_sidecar_abort_retries_total") or 0.0
+    with trio.fail_after(10):
+        await supervisor.abort("queued")  # no slot within abort_timeout: handed off
+        assert aborts(server) == []
+        supervisor._abort_slots.release_on_behalf_of(holder)
+        while not aborts(server):  # noqa: ASYNC110 - the engine is in another event loop
+            await trio.sleep(0.01)
+    assert aborts(server) == ["queued"]
+    retries = (REGISTRY.get_sample_value("openengine_sidecar_abort_retries_total") or 0.0) - retries_before
+    assert retries == 0

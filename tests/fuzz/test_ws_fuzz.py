@@ -23,7 +23,7 @@ import trio
 from sidecar.client.sidecar_client import open_sidecar
 from sidecar.north import codec, wire
 from tests.e2e.harness import generate_request, mock_engine, sidecar, wait_engine_idle
-from tests.fuzz.mutate import OP_TEXT, Frame, FrameFuzzer
+from tests.fuzz.mutate import OP_BINARY, OP_CLOSE, OP_PING, OP_TEXT, Frame, FrameFuzzer, ws_frame
 from tests.fuzz.rawws import Closed, RawWs
 from tests.reliability.helpers import scrape
 
@@ -42,22 +42,16 @@ class Expect:
     call: Any = None  # call id of a decoded call (one result follows)
 
 
-#: WebSocket-level faults (bad framing, invalid UTF-8 in a text frame) are detected inside
-#: trio-websocket, which drops the TCP connection without sending the close frame (1006 at the
-#: client) instead of 1002 / 1007; see docs/RELIABILITY.md, "Known gaps".
-FAILED_BY_TRIO_WEBSOCKET = 1006
-
-
 def expect(frame: Frame) -> Expect:
     if frame.raw is not None:
-        return Expect(close={1002, FAILED_BY_TRIO_WEBSOCKET})
+        return Expect(close={1002})
     if len(frame.payload) > MAX_MESSAGE:
         return Expect(close={1009})
     if frame.opcode == OP_TEXT:
         try:
             frame.payload.decode("utf-8")
         except UnicodeDecodeError:
-            return Expect(close={1007, FAILED_BY_TRIO_WEBSOCKET})
+            return Expect(close={1007})
     try:
         cmd = codec.decode_frame(frame.message)
     except codec.FrameDecodeError:
@@ -251,3 +245,72 @@ async def test_random_frames_against_a_real_sidecar(aio_loop: Any, tmp_path: Pat
     # every decoded generate got its one end, or was open when the server closed the connection
     # (how many complete first depends on timing: the closing frames come every few frames)
     assert tally.ends + tally.dropped == tally.generates and tally.ends >= 20
+
+
+#: One frame of each WebSocket-level fault (found by wsproto, below the north protocol) and the
+#: close code RFC 6455 / docs/PROTOCOL.md give it.
+WS_FAULTS = [
+    ("invalid UTF-8 text", ws_frame(OP_TEXT, b'{"type":"cancel","stream":"\xff\xfe"}'), 1007),
+    (
+        "invalid UTF-8 in a continuation",
+        ws_frame(OP_TEXT, b'{"type":', fin=False) + ws_frame(0x0, b'"\xc3\x28"}'),
+        1007,
+    ),
+    ("reserved opcode", ws_frame(0x3, b"reserved opcode"), 1002),
+    ("RSV bit", ws_frame(OP_TEXT, b"{}", rsv=4), 1002),
+    ("unmasked frame", ws_frame(OP_TEXT, b"{}", masked=False), 1002),
+    ("fragmented ping", ws_frame(OP_PING, b"p", fin=False), 1002),
+    ("oversized ping", ws_frame(OP_PING, b"x" * 130), 1002),
+    ("continuation of nothing", ws_frame(0x0, b"orphan"), 1002),
+    ("close frame with a reserved code", ws_frame(OP_CLOSE, (999).to_bytes(2, "big")), 1002),
+    ("oversized message", ws_frame(OP_BINARY, b"\x90" * (MAX_MESSAGE + 1)), 1009),
+    (
+        "oversized message in fragments",
+        ws_frame(OP_TEXT, b"[" * (MAX_MESSAGE // 2), fin=False)
+        + ws_frame(0x0, b"[" * (MAX_MESSAGE // 2 + 2)),
+        1009,
+    ),
+]
+
+
+async def test_each_websocket_fault_gets_its_close_frame_and_the_sidecar_keeps_serving(
+    aio_loop: Any, tmp_path: Path
+) -> None:
+    """Per fault: a connection with a stream in flight sends the fault and gets the close frame
+    with its code (not a TCP drop, 1006); its stream is aborted on the engine; a connection
+    opened before the faults completes a generate after each one."""
+    with trio.fail_after(60):
+        async with (
+            mock_engine(tmp_path, "--flavor", "vllm", "--token-delay-ms", "5") as engine,
+            sidecar(engine.address, "--max-message-size", str(MAX_MESSAGE)) as sc,
+            open_sidecar(sc.ws) as bystander,
+        ):
+            got: dict[str, int] = {}
+            for i, (name, raw, _code) in enumerate(WS_FAULTS):
+                ws = await RawWs.connect(sc.ws)
+                request = generate_request(max_tokens=2000, requestId=f"fault-{i}")
+                await ws.send_text(json.dumps({"type": "generate", "stream": 1, "request": request}))
+                first = codec.decode_server_frame(await ws.next())
+                assert isinstance(first, wire.Event), first  # the stream is running
+                await ws.send(Frame(OP_TEXT, b"", name, raw=raw))
+                try:
+                    while True:
+                        await ws.next()
+                except Closed as closed:
+                    got[name] = closed.code
+                await ws.aclose()
+                async with bystander.generate(generate_request(max_tokens=3)) as s:
+                    assert len([e async for e in s]) == 4
+                assert s.end is not None and s.end.outcome == "completed", (name, s.end)
+            assert got == {name: code for name, _, code in WS_FAULTS}
+            counters = await wait_engine_idle(engine.address, timeout=20)
+            aborted = counters["aborts_received_by_id"]
+            assert {f"fault-{i}": aborted.get(f"fault-{i}") for i in range(len(WS_FAULTS))} == {
+                f"fault-{i}": 1 for i in range(len(WS_FAULTS))
+            }
+            assert counters["requests_leaked"] == 0 and counters["orphans_expired"] == 0
+            m = await scrape(sc.http)
+            assert m.value("openengine_sidecar_connections") == 1  # the bystander
+            assert sc.proc.process.returncode is None
+            bad = [line for line in sc.proc.lines if "Traceback" in line or " ERROR " in line]
+            assert bad == [], "\n".join(sc.proc.lines[-40:])

@@ -73,6 +73,16 @@ async def test_every_unary_rpc(server: RunningServer, client: EngineClient) -> N
     assert server.engine.seen[2].request.include_per_rank is True
 
 
+async def test_get_load_bytes_is_the_serialized_answer(server: RunningServer, client: EngineClient) -> None:
+    with trio.fail_after(5):
+        parsed = await client.get_load()
+        data = await client.get_load_bytes(include_per_rank=False)
+    assert isinstance(data, bytes) and pb.LoadInfo.parse(data) == parsed and parsed.instance_id == "i"
+    assert (
+        server.engine.seen[-1].route == "GetLoad" and server.engine.seen[-1].request.include_per_rank is False
+    )
+
+
 async def test_generate_stream_and_metadata(server: RunningServer, client: EngineClient) -> None:
     server.engine.streams["Generate"] = lambda r, md: tokens(r.request_id, 5)
     md = {"openengine-routing-key": "k1", "openengine-target-dp-rank": "1", "traceparent": "00-" + "a" * 32}

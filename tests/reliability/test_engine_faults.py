@@ -18,7 +18,7 @@ from tests.e2e.harness import (
     sidecar,
     wait_engine_idle,
 )
-from tests.reliability.helpers import scrape, stall_request
+from tests.reliability.helpers import abort_socket, generate, raw_ws, scrape, stall_request
 
 pytestmark = pytest.mark.slow
 
@@ -219,3 +219,120 @@ async def test_engine_that_ignores_abort_is_answered_but_leaks_on_its_side(
             assert m.value("openengine_sidecar_abort_retries_total") == 0
             c = await wait_engine_idle(engine.address, timeout=10)
             assert c["orphans_expired"] == 1 and c["requests_leaked"] == 0
+
+
+MASS_STREAMS = 2_000
+MASS_CONNECTIONS = 8
+
+
+async def test_mass_disconnect_aborts_everything_in_bounded_time(aio_loop: Any, tmp_path: Path) -> None:
+    """PERFORMANCE.md #4 at moderate scale: 2,000 streams held by the engine (prefill never
+    ends: no token traffic), then every client vanishes at once (TCP RST). The sidecar resets
+    the upstream streams and Aborts every request: at most 64 Aborts in flight, each attempt
+    timed from when it is sent, jittered retries. The engine (``--orphans hold``: a request
+    whose client left stays held until Aborted) must end holding nothing within 15 s, with no
+    Abort given up (``aborts_total{result="failed"}`` 0)."""
+    with trio.fail_after(60):
+        async with (
+            mock_engine(
+                tmp_path,
+                "--first-token-delay-ms",
+                "600000",
+                "--max-running",
+                "4096",
+                "--max-queue",
+                "4096",
+                "--orphans",
+                "hold",
+            ) as engine,
+            sidecar(engine.address, "--max-streams", "4096") as sc,
+        ):
+            per_conn = MASS_STREAMS // MASS_CONNECTIONS
+            opened = 0
+            all_sent = trio.Event()
+            vanish = trio.Event()
+
+            async def connection(c: int) -> None:
+                nonlocal opened
+                async with raw_ws(sc.ws) as (ws, sock):
+                    for i in range(per_conn):
+                        req = generate_request(max_tokens=16, requestId=f"mass-{c}-{i}")
+                        await ws.send_message(generate(i + 1, req))
+                    opened += per_conn
+                    if opened == MASS_STREAMS:
+                        all_sent.set()
+                    await vanish.wait()
+                    abort_socket(sock)
+                    await sock.aclose()
+
+            async with trio.open_nursery() as nursery:
+                for c in range(MASS_CONNECTIONS):
+                    nursery.start_soon(connection, c)
+                await all_sent.wait()
+
+                async def held() -> Any:
+                    c = await engine_counters(engine.address)
+                    return c if c["requests_accepted"] >= MASS_STREAMS else None
+
+                before = await eventually(held, timeout=30, interval=0.2)
+                assert before["requests_in_flight"] == MASS_STREAMS
+                vanished_at = trio.current_time()
+                vanish.set()
+
+            async def all_aborted() -> bool:
+                m = await scrape(sc.http)
+                return m.value("openengine_sidecar_aborts_total") >= MASS_STREAMS
+
+            await eventually(all_aborted, timeout=20, interval=0.1)
+            aborted_in = trio.current_time() - vanished_at
+            after = await wait_engine_idle(engine.address, timeout=20)
+            took = trio.current_time() - vanished_at
+            print(f"\n{MASS_STREAMS} clients gone at once: every Abort answered after {aborted_in:.2f}s;")
+            print(f"engine seen holding nothing after {took:.2f}s")
+            assert after["requests_leaked"] == 0
+            assert after["orphans_aborted"] + after["requests_aborted"] == MASS_STREAMS
+            assert took < 15.0, f"engine still held requests {took:.1f}s after the disconnect"
+            m = await scrape(sc.http)
+            print(f"abort retries: {m.value('openengine_sidecar_abort_retries_total'):.0f}")
+            assert m.value("openengine_sidecar_aborts_total", result="failed") == 0
+            assert m.value("openengine_sidecar_aborts_total") == MASS_STREAMS
+
+
+@pytest.mark.parametrize("slow_checks", [1, 2])
+async def test_one_slow_health_check_keeps_serving_two_in_a_row_mark_the_engine_lost(
+    aio_loop: Any, tmp_path: Path, slow_checks: int
+) -> None:
+    """Health calls that outlive ``--call-timeout`` (fault ``slow-health=N``: the engine's next
+    N Health answers take 2 s once it served a request). One is tolerated — checked again, still
+    ready, nothing rejected; two in a row mark the engine lost (not ready) until it answers
+    again, and then it serves as before."""
+    with trio.fail_after(40):
+        async with (
+            mock_engine(tmp_path, "--flavor", "vllm", "--fault", f"slow-health={slow_checks}") as engine,
+            sidecar(engine.address, "--call-timeout", "0.5", "--health-interval", "0.2") as sc,
+            open_sidecar(sc.ws) as client,
+        ):
+            _, end, _ = await _stream(client, generate_request(max_tokens=3))  # arms the fault
+            assert end.outcome == "completed"
+
+            async def slow_seen() -> bool:
+                m = await scrape(sc.http)
+                return m.value("openengine_sidecar_health_checks_total", result="slow") >= slow_checks
+
+            await eventually(slow_seen, 20)
+            oks = (await scrape(sc.http)).value("openengine_sidecar_health_checks_total", result="ok")
+
+            async def answered_again() -> bool:  # the engine answers in time again
+                m = await scrape(sc.http)
+                return m.value("openengine_sidecar_health_checks_total", result="ok") >= oks + 2
+
+            await eventually(answered_again, 20)
+            log = "\n".join(sc.proc.lines)
+            assert "checking again" in log
+            if slow_checks == 1:
+                assert "not ready" not in log and "lost" not in log, log
+            else:
+                assert "not ready: engine unreachable" in log and "engine at" in log, log
+                assert "is back; rediscovered" in log
+            _, end, _ = await _stream(client, generate_request(max_tokens=3))
+            assert end.outcome == "completed"

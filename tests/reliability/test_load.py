@@ -46,16 +46,18 @@ async def test_thousand_concurrent_streams_with_cancels_and_disconnects(
         async with mock_engine(tmp_path, *ENGINE) as engine, sidecar(engine.address) as sc:
             pid = sc.proc.process.pid
             rss: list[int] = [rss_kib(pid)]
-            peak_active = 0
+            peak_active = peak_channels = 0
             reports: list[RoundReport] = []
             retried = 0.0
             for rnd in range(3):  # round 0 warms up (allocator pools, codec caches, channels)
 
                 async def sample_active() -> None:
-                    nonlocal peak_active
+                    nonlocal peak_active, peak_channels
                     while True:
                         m = await scrape(sc.http)
                         peak_active = max(peak_active, int(m.value("openengine_sidecar_active_streams")))
+                        channels = int(m.value("openengine_sidecar_engine_generate_channels"))
+                        peak_channels = max(peak_channels, channels)
                         await trio.sleep(0.1)  # sampling another process's gauge
 
                 async with trio.open_nursery() as nursery:
@@ -77,6 +79,9 @@ async def test_thousand_concurrent_streams_with_cancels_and_disconnects(
             total = counters
             assert total["requests_in_flight"] == 0 and total["streams_open"] == 0
             assert peak_active >= 800, peak_active  # they really were in flight at once
+            # the engine (grpclib) takes 100 streams per HTTP/2 connection: the pool grew past
+            # its 4 kept channels to carry them (else streams past 400 would wait in grpclib)
+            assert peak_channels >= 8, peak_channels
             assert sum(len(r.cancelled) for r in reports) > 200
             assert sum(len(r.lost) for r in reports) > 0  # some connections really were dropped
             grown = rss[-1] - rss[1]
