@@ -33,9 +33,12 @@ a client-bootstrap retry runs both sides again with a new room.
 Cancellation: leaving the ``generate`` block before the end (break, exception, cancellation)
 cancels both sides; each sidecar stream gets ``cancel`` and its ``end`` is awaited, shielded
 and bounded by ``cancel_timeout``, so both sidecars have closed their engine streams and sent
-their Aborts. A context-first prefill that already completed holds its KV session until the
-decode pulls it or the engine's session timeout passes (the north protocol has no call to
-release it).
+their Aborts. A context-first prefill that already completed holds its KV session until a
+decode pulls it; when the flow ends without any decode having relayed an event (every decode
+failed or was skipped, or the flow was cancelled before), the coordinator asks the prefill
+sidecar to release it (north call ``releaseKvSession`` → the engine's ``Abort{kv_session}``),
+shielded and bounded by ``cancel_timeout``; a failed release is logged (the engine's session
+timeout then frees it).
 
 Connections: one WebSocket per sidecar URL, opened on first use and shared by the flows of a
 coordinator; a lost one is reopened by the next flow that needs it.
@@ -43,6 +46,7 @@ coordinator; a lost one is reopened by the next flow that needs it.
 
 from __future__ import annotations
 
+import base64
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -77,6 +81,7 @@ from sidecar.client.sidecar_client import (
     SidecarCallError,
     SidecarClient,
     SidecarConnectionError,
+    SidecarError,
     open_sidecar,
     sidecar_url,
 )
@@ -97,6 +102,18 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 TARGET_DP_RANK = "openengine-target-dp-rank"
+
+
+async def _release_kv_session(prefill: Worker, kv: bytes) -> None:
+    """Ask the prefill sidecar to free a KV session no decode will pull (best effort:
+    shielded, bounded by the connection's ``cancel_timeout``; failures are logged)."""
+    client = prefill.client
+    with trio.CancelScope(shield=True), trio.move_on_after(client.cancel_timeout):
+        try:
+            await client.call("releaseKvSession", {"kvSessionBytes": base64.b64encode(kv).decode()})
+            log.debug("released the KV session of %s", prefill.url)
+        except SidecarError as err:
+            log.info("could not release the KV session of %s: %s", prefill.url, err)
 
 
 class _Candidates:
@@ -350,20 +367,28 @@ class DisaggClient:
             prefill = picked[0]
         assert kv is not None
         flow.prefill_url, flow.kv_session_bytes = prefill.url, kv
-        while True:
-            flow.decode_url = decode.url
-            side = Side("decode", decode)
-            await self._run_side(flow, side, flow.request, kv)
-            flow.attempts.append(side.attempt())
-            if side.ok:
-                return flow._ended("completed", None)
-            if not side.skippable:
-                raise flow._side_over(side)
-            flow.decode_url = None
-            picked = await decodes.next(_pairs_with_prefill(prefill))
-            if picked is None:
-                raise flow._exhausted("decode")
-            decode = picked[0]
+        relayed = 0  # events relayed by earlier decodes (one that relayed has pulled the session)
+        last: Side | None = None  # the decode attempt in progress
+        try:
+            while True:
+                flow.decode_url = decode.url
+                side = last = Side("decode", decode)
+                await self._run_side(flow, side, flow.request, kv)
+                relayed += side.events
+                flow.attempts.append(side.attempt())
+                if side.ok:
+                    return flow._ended("completed", None)
+                if not side.skippable:
+                    raise flow._side_over(side)
+                flow.decode_url = None
+                picked = await decodes.next(_pairs_with_prefill(prefill))
+                if picked is None:
+                    raise flow._exhausted("decode")
+                decode = picked[0]
+        except BaseException:
+            if not relayed and not (last is not None and last.events):
+                await _release_kv_session(prefill, kv)
+            raise
 
     async def _bootstrap(
         self,

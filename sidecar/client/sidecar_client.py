@@ -218,6 +218,11 @@ class SidecarClient:
         self.last_protocol_error: str | None = None
 
     @property
+    def cancel_timeout(self) -> float:
+        """How long a cancelled stream waits for its ``end`` (and best-effort calls are bounded)."""
+        return self._cancel_timeout
+
+    @property
     def closed(self) -> bool:
         return self._lost is not None
 

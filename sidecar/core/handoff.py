@@ -29,6 +29,8 @@ Role rules (which role needs a session at all) live in ``admission.py``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from sidecar.core.card import KvConnectorCard, WorkerCard
 from sidecar.core.errors import Rejection, invalid_argument, unsupported
 from sidecar.openengine import pb
@@ -37,6 +39,8 @@ from sidecar.openengine.rawfields import WireError, parse_strict
 __all__ = [
     "KNOWN_HANDOFF_PROFILES",
     "MAX_SESSION_BYTES",
+    "KvSessionRelease",
+    "abort_kv_session_bytes",
     "check_bootstrap",
     "check_decode_session",
     "check_prefill_session",
@@ -48,6 +52,28 @@ KNOWN_HANDOFF_PROFILES = frozenset(
 )
 #: Upper bound for ``kvSessionBytes`` (a handoff carries block ids; generous but bounded).
 MAX_SESSION_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(slots=True, frozen=True)
+class KvSessionRelease:
+    """A client's request to release a prefill engine's KV session (north call
+    ``releaseKvSession``): the ``KvSessionRef`` bytes exactly as the client got them in
+    ``prefillReady`` and their parsed view. The engine gets ``Abort{kv_session}`` carrying
+    those bytes unchanged (:func:`abort_kv_session_bytes`)."""
+
+    raw: bytes
+    session: pb.KvSessionRef
+
+
+def abort_kv_session_bytes(raw: bytes) -> bytes:
+    """A serialized ``AbortRequest{kv_session}`` whose session is ``raw`` byte for byte."""
+    out = bytearray(b"\x12")  # field 2 (kv_session), length-delimited
+    n = len(raw)
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out) + raw
 
 
 # Sub-message fields of KvSessionRef and what it embeds (field number -> message name), so the

@@ -23,6 +23,7 @@ from sidecar.core.admission import admit as admit_request
 from sidecar.core.card import WorkerCard, with_loras
 from sidecar.core.discovery import compare_cards, discover, fetch_loras
 from sidecar.core.errors import DiscoveryError, Rejection
+from sidecar.core.handoff import KvSessionRelease, abort_kv_session_bytes
 from sidecar.core.lifecycle import CANCELLED, LifecycleConfig, Outcome, StreamHandle, StreamSupervisor
 from sidecar.core.load import MalformedLoadInfo, attributes_dict, split_load_info
 from sidecar.openengine import pb
@@ -158,7 +159,25 @@ class Sidecar:
             }
         if method in ("listLoras", "loadLora", "unloadLora"):
             return await self._lora_call(method, request)
+        if method == "releaseKvSession":
+            return await self._release_kv_session(request)
         raise Rejection(pb.ErrorCode.UNSUPPORTED_FEATURE, f"unknown call method {method!r}")
+
+    async def _release_kv_session(self, request: KvSessionRelease) -> pb.AbortResponse:
+        """``releaseKvSession``: ``Abort{kv_session}`` with the client's bytes unchanged, so a
+        prefill engine frees a session no decode will pull (a failed or abandoned P/D flow).
+        Not counted as a stream Abort. An engine without that session answers ``NOT_FOUND``
+        (a typed rejection); ``ALREADY_FINISHED`` is a success."""
+        with trio.move_on_after(self.config.call_timeout):
+            try:
+                return await self.engine.abort(abort_kv_session_bytes(request.raw))
+            except EngineStatusError as err:
+                if err.status != "NOT_FOUND":
+                    raise _call_rejection(err) from None
+                raise Rejection(pb.ErrorCode.KV_SESSION_NOT_FOUND, str(err)) from None
+            except EngineClientError as err:
+                raise _call_rejection(err) from None
+        raise Rejection(pb.ErrorCode.INTERNAL, "releaseKvSession: engine did not answer in time", True)
 
     async def _lora_call(self, method: str, request: Any) -> Any:
         """``listLoras`` / ``loadLora`` / ``unloadLora``: schema rules first (nothing reaches the

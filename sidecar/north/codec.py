@@ -22,6 +22,7 @@ from typing import Any
 import betterproto2
 import msgspec
 
+from sidecar.core.handoff import KvSessionRelease
 from sidecar.north import wire
 from sidecar.north.kvsession import parse_kv_session, splice_kv_session
 from sidecar.north.pbjson import PbJsonError, decode_base64, message_from_json, message_to_json
@@ -36,6 +37,7 @@ __all__ = [
     "EventEncoder",
     "FrameDecodeError",
     "GenerateCommand",
+    "KvSessionRelease",
     "ProtocolError",
     "coalesce_events",
     "decode_frame",
@@ -119,20 +121,22 @@ class CallCommand:
     call: str | int
     method: str
     params: dict[str, Any]
-    request: betterproto2.Message | None
+    request: betterproto2.Message | KvSessionRelease | None
     encoding: Encoding
 
 
 Command = GenerateCommand | CancelCommand | CallCommand
 
-#: ``call`` method -> OpenEngine request message its ``params`` must be (None: params must be empty).
-CALL_REQUEST_TYPES: dict[str, type[betterproto2.Message] | None] = {
+#: ``call`` method -> OpenEngine request message its ``params`` must be (None: params must be
+#: empty; ``KvSessionRelease``: exactly ``{"kvSessionBytes": …}``).
+CALL_REQUEST_TYPES: dict[str, type[betterproto2.Message] | type[KvSessionRelease] | None] = {
     "describe": None,
     "load": pb.GetLoadRequest,
     "health": pb.HealthRequest,
     "listLoras": pb.ListLorasRequest,
     "loadLora": pb.LoadLoraRequest,
     "unloadLora": pb.UnloadLoraRequest,
+    "releaseKvSession": KvSessionRelease,
 }
 assert tuple(CALL_REQUEST_TYPES) == wire.CALL_METHODS
 
@@ -200,7 +204,7 @@ def _generate_command(msg: wire.Generate, encoding: Encoding) -> GenerateCommand
     metadata = _check_metadata(msg.metadata, stream) if msg.metadata else {}
     kv_bytes = None
     if msg.kv_session_bytes is not None:
-        kv_bytes = _kv_session_bytes(msg.kv_session_bytes, stream)
+        kv_bytes = _kv_session_bytes(msg.kv_session_bytes, stream=stream)
         if request.kv is not None and request.kv.session is not None:
             raise ProtocolError("give request.kv.session or kvSessionBytes, not both", stream=stream)
         try:
@@ -213,20 +217,22 @@ def _generate_command(msg: wire.Generate, encoding: Encoding) -> GenerateCommand
     return GenerateCommand(stream, request, metadata, kv_bytes, encoding)
 
 
-def _kv_session_bytes(value: Any, stream: str | int) -> bytes:
+def _kv_session_bytes(value: Any, **where: Any) -> bytes:
+    """``kvSessionBytes`` (base64, or msgpack bin) as bytes; ``where``: the ProtocolError's
+    ``stream=`` or ``call=``."""
     if isinstance(value, str):
         try:
             raw = decode_base64(value)
         except ValueError as err:
-            raise ProtocolError(f"kvSessionBytes: {err}", stream=stream) from None
+            raise ProtocolError(f"kvSessionBytes: {err}", **where) from None
     elif isinstance(value, bytes):
         raw = value
     else:
-        raise ProtocolError("kvSessionBytes must be base64 (or msgpack bin)", stream=stream)
+        raise ProtocolError("kvSessionBytes must be base64 (or msgpack bin)", **where)
     if not raw:
-        raise ProtocolError("kvSessionBytes is empty", stream=stream)
+        raise ProtocolError("kvSessionBytes is empty", **where)
     if len(raw) > wire.MAX_KV_SESSION_BYTES:
-        raise ProtocolError(f"kvSessionBytes exceeds {wire.MAX_KV_SESSION_BYTES} bytes", stream=stream)
+        raise ProtocolError(f"kvSessionBytes exceeds {wire.MAX_KV_SESSION_BYTES} bytes", **where)
     return raw
 
 
@@ -254,11 +260,20 @@ def _call_command(msg: wire.Call, encoding: Encoding) -> CallCommand:
         )
     params = msg.params or {}
     request_type = CALL_REQUEST_TYPES[msg.method]
-    request = None
+    request: betterproto2.Message | KvSessionRelease | None = None
     if request_type is None:
         if params:
             raise ProtocolError(f"{msg.method} takes no params", call=msg.call)
+    elif request_type is KvSessionRelease:
+        if set(params) != {"kvSessionBytes"}:
+            raise ProtocolError(f"{msg.method} takes exactly one param, kvSessionBytes", call=msg.call)
+        raw = _kv_session_bytes(params["kvSessionBytes"], call=msg.call)
+        try:
+            request = KvSessionRelease(raw, parse_kv_session(raw))
+        except Exception as err:  # betterproto2 raises assorted errors on malformed protobuf
+            raise ProtocolError(f"kvSessionBytes is not a KvSessionRef: {err}", call=msg.call) from None
     else:
+        assert issubclass(request_type, betterproto2.Message)
         try:
             request = message_from_json(request_type, params, path="params")
         except PbJsonError as err:

@@ -67,7 +67,15 @@ MAX_KV_SESSION_BYTES: Final = 1 << 20
 #: ``end.outcome`` values.
 OUTCOMES: Final = ("completed", "cancelled", "failed", "rejected")
 #: ``call.method`` values.
-CALL_METHODS: Final = ("describe", "load", "health", "listLoras", "loadLora", "unloadLora")
+CALL_METHODS: Final = (
+    "describe",
+    "load",
+    "health",
+    "listLoras",
+    "loadLora",
+    "unloadLora",
+    "releaseKvSession",
+)
 
 #: A stream or call id: a non-empty string or a non-negative integer, chosen by the client. ``1`` and
 #: ``"1"`` are different ids.

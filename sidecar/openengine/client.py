@@ -333,8 +333,10 @@ class EngineClient:
         return await self._unary(_CONTROL + "Health", request, pb.HealthResponse, metadata)
 
     async def abort(
-        self, request: pb.AbortRequest, *, metadata: MetadataLike | None = None
+        self, request: pb.AbortRequest | bytes, *, metadata: MetadataLike | None = None
     ) -> pb.AbortResponse:
+        """Abort; ``request`` may be an already-serialized ``AbortRequest`` (sent unchanged,
+        e.g. to carry a ``KvSessionRef`` byte for byte)."""
         return await self._unary(_CONTROL + "Abort", request, pb.AbortResponse, metadata)
 
     async def load_lora(

@@ -20,7 +20,7 @@ import pytest
 import trio
 
 from sidecar.client.disagg import open_disagg
-from sidecar.client.sidecar_client import open_sidecar
+from sidecar.client.sidecar_client import SidecarCallError, open_sidecar
 from sidecar.openengine import pb
 from tests.e2e.harness import (
     Engine,
@@ -435,3 +435,43 @@ def _ended_by_cancel(counters: dict[str, Any]) -> int:
 
 async def _in_flight(address: str, n: int) -> bool:
     return bool((await engine_counters(address))["requests_in_flight"] == n)
+
+
+async def test_a_prefill_session_no_decode_pulls_is_released(aio_loop: Any, tmp_path: Path) -> None:
+    """Context-first: the prefill completes, then every decode refuses (retryable, skipped):
+    the flow ends ``rejected`` and the coordinator releases the prefill's KV session
+    (``releaseKvSession`` → the engine's ``Abort{kv_session}`` with the bytes unchanged), so
+    the prefill engine holds nothing instead of waiting for its session timeout."""
+    with trio.fail_after(30):
+        async with (
+            pd_stack(tmp_path, "vllm") as pd,
+            sidecar(pd.decode.address, *SIDECAR_ARGS, "--max-streams", "0") as busy_decode,
+        ):
+            async with open_disagg([pd.prefill_sc.ws], [busy_decode.ws]) as coordinator:
+                async with coordinator.generate(generate_request(PROMPT, max_tokens=3)) as flow:
+                    events = [e async for e in flow]
+            assert events == [] and flow.end is not None and flow.end.outcome == "rejected", flow.end
+            assert [(a.role, a.result) for a in flow.end.attempts] == [
+                ("prefill", "completed"),
+                ("decode", "rejected"),
+            ]
+            counters = await idle_and_clean(pd.prefill.address)  # kv_sessions_open == 0
+            assert counters["requests_completed"] == 1 and counters["aborts_received"] == 1
+            assert counters["abort_outcomes"].get("ABORTED") == 1, counters["abort_outcomes"]
+            assert (await engine_counters(pd.decode.address))["requests_accepted"] == 0
+
+            # the call itself, on the prefill sidecar: again (idempotent), a session the engine
+            # never had, then params that are not one KvSessionRef
+            assert flow.kv_session_bytes is not None
+            async with open_sidecar(pd.prefill_sc.ws) as client:
+                b64 = base64.b64encode(flow.kv_session_bytes).decode()
+                again = await client.call("releaseKvSession", {"kvSessionBytes": b64})
+                assert again["status"] == "ABORT_STATUS_ALREADY_FINISHED", again
+                unknown = base64.b64encode(bytes(pb.KvSessionRef(session_id="never-held"))).decode()
+                with pytest.raises(SidecarCallError) as info:
+                    await client.call("releaseKvSession", {"kvSessionBytes": unknown})
+                assert info.value.code == "ERROR_CODE_KV_SESSION_NOT_FOUND"
+                for params in ({"kvSessionBytes": "AAAA"}, {"kvSessionBytes": b64, "extra": 1}, {}):
+                    with pytest.raises(SidecarCallError) as info:
+                        await client.call("releaseKvSession", params)
+                    assert info.value.code == "ERROR_CODE_INVALID_ARGUMENT", (params, info.value)

@@ -224,6 +224,10 @@ def generate_messages(draw: st.DrawFn, *, valid_request: bool | None = None) -> 
     return msg
 
 
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
 @st.composite
 def call_messages(draw: st.DrawFn) -> dict[str, Any]:
     method = draw(st.one_of(st.sampled_from(list(wire.CALL_METHODS)), text))
@@ -236,7 +240,10 @@ def call_messages(draw: st.DrawFn) -> dict[str, Any]:
             "loadLora": pb.LoadLoraRequest,
             "unloadLora": pb.UnloadLoraRequest,
         }.get(method)
-        msg["params"] = draw(pb_json(request_type, valid=False)) if request_type else draw(json_values)  # type: ignore[arg-type]
+        if method == "releaseKvSession" and draw(st.booleans()):
+            msg["params"] = {"kvSessionBytes": draw(st.one_of(st.binary(max_size=40).map(_b64), text))}
+        else:
+            msg["params"] = draw(pb_json(request_type, valid=False)) if request_type else draw(json_values)  # type: ignore[arg-type]
     return msg
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from sidecar.core.handoff import KvSessionRelease, abort_kv_session_bytes
 from sidecar.north import codec, wire
 from sidecar.north.codec import (
     CallCommand,
@@ -114,6 +115,45 @@ def test_call(pack: Any, method: str, params: dict[str, Any], expected: Any) -> 
     assert isinstance(cmd, CallCommand)
     assert (cmd.call, cmd.method, cmd.params) == ("c1", method, params)
     assert cmd.request == expected
+
+
+#: A KvSessionRef with a field unknown to every schema revision (field 99) after its session id.
+SESSION = bytes(pb.KvSessionRef(session_id="s-1")) + b"\x9a\x06\x05extra"
+
+
+@BOTH
+def test_release_kv_session_call_keeps_the_bytes(pack: Any) -> None:
+    params = {"kvSessionBytes": base64.b64encode(SESSION).decode()}
+    cmd = decode_frame(pack({"type": "call", "call": 7, "method": "releaseKvSession", "params": params}))
+    assert isinstance(cmd, CallCommand) and isinstance(cmd.request, KvSessionRelease)
+    assert cmd.request.raw == SESSION and cmd.request.session.session_id == "s-1"
+    # what the engine gets: AbortRequest{kv_session = those bytes, unchanged}
+    wire_abort = abort_kv_session_bytes(cmd.request.raw)
+    assert pb.AbortRequest.parse(wire_abort).kv_session.session_id == "s-1"
+    assert wire_abort.endswith(SESSION) and len(wire_abort) == len(SESSION) + 2
+
+
+def test_abort_kv_session_bytes_length_prefix_past_one_byte() -> None:
+    big = bytes(pb.KvSessionRef(session_id="x" * 300))
+    parsed = pb.AbortRequest.parse(abort_kv_session_bytes(big))
+    assert parsed.kv_session == pb.KvSessionRef(session_id="x" * 300)
+
+
+@BOTH
+@pytest.mark.parametrize(
+    "params",
+    [
+        {},
+        {"kvSessionBytes": ""},
+        {"kvSessionBytes": "AAAA"},
+        {"kvSessionBytes": 5},
+        {"kvSessionBytes": "eA==", "x": 1},
+    ],
+)
+def test_release_kv_session_call_refuses_anything_but_one_session(pack: Any, params: Any) -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode_frame(pack({"type": "call", "call": "c9", "method": "releaseKvSession", "params": params}))
+    assert info.value.call == "c9" and info.value.code == pb.ErrorCode.INVALID_ARGUMENT
 
 
 @BOTH
