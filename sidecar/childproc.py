@@ -124,15 +124,21 @@ async def spawn_child(
                 on_error(child)
             raise
         finally:
-            with trio.CancelScope(shield=True):
-                if process.returncode is None:
-                    process.send_signal(signal.SIGTERM)
-                    with trio.move_on_after(term_timeout):
-                        await process.wait()
-                if process.returncode is None:
-                    process.kill()
-                    await process.wait()
+            await terminate(process, term_timeout)
             nursery.cancel_scope.cancel()
+
+
+async def terminate(process: trio.Process, grace: float) -> None:
+    """SIGTERM, up to ``grace`` seconds to exit, then SIGKILL; reaps it. Shielded: a cancelled
+    caller still stops its child."""
+    with trio.CancelScope(shield=True):
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+            with trio.move_on_after(grace):
+                await process.wait()
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
 
 
 def loopback_run_args(engine_address: str) -> list[str]:

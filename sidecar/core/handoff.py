@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from sidecar.core.card import KvConnectorCard, WorkerCard
 from sidecar.core.errors import Rejection, invalid_argument, unsupported
 from sidecar.openengine import pb
-from sidecar.openengine.rawfields import WireError, parse_strict
+from sidecar.openengine.rawfields import WireError, length_delimited, parse_strict
 
 __all__ = [
     "KNOWN_HANDOFF_PROFILES",
@@ -67,13 +67,7 @@ class KvSessionRelease:
 
 def abort_kv_session_bytes(raw: bytes) -> bytes:
     """A serialized ``AbortRequest{kv_session}`` whose session is ``raw`` byte for byte."""
-    out = bytearray(b"\x12")  # field 2 (kv_session), length-delimited
-    n = len(raw)
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out) + raw
+    return length_delimited(2, raw)  # field 2: kv_session
 
 
 # Sub-message fields of KvSessionRef and what it embeds (field number -> message name), so the

@@ -19,6 +19,7 @@ import msgspec
 
 from sidecar.core.struct_wire import StructWireError, struct_to_dict
 from sidecar.openengine import pb
+from sidecar.openengine.rawfields import WireError, without_field
 
 __all__ = [
     "ATTRIBUTES_FIELD",
@@ -39,50 +40,17 @@ class MalformedLoadInfo(ValueError):
     """A ``GetLoad`` answer that is not a well-formed ``LoadInfo``."""
 
 
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        if pos >= len(data) or shift > 63:
-            raise MalformedLoadInfo("truncated or overlong varint")
-        b = data[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return result, pos
-        shift += 7
-
-
 def split_load_info(data: bytes) -> tuple[pb.LoadInfo, bytes | None]:
     """Parse a serialized ``LoadInfo`` except its ``attributes``, returned as raw ``Struct``
     bytes (``None`` when absent; repeated occurrences are concatenated = merged, as protobuf
     does). Cost: the small fields only; the attributes are skipped by their length prefix.
     Raises :class:`MalformedLoadInfo`."""
-    rest: list[bytes] = []
-    attrs: list[bytes] = []
-    pos, end = 0, len(data)
-    while pos < end:
-        field_start = pos
-        key, pos = _varint(data, pos)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            _, pos = _varint(data, pos)
-        elif wire == 1:
-            pos += 8
-        elif wire == 5:
-            pos += 4
-        elif wire == 2:
-            length, start = _varint(data, pos)
-            pos = start + length
-            if number == ATTRIBUTES_FIELD and pos <= end:
-                attrs.append(data[start:pos])
-                continue
-        else:
-            raise MalformedLoadInfo(f"field {number}: unsupported wire type {wire}")
-        if pos > end:
-            raise MalformedLoadInfo(f"field {number}: truncated")
-        rest.append(data[field_start:pos])
     try:
-        info = pb.LoadInfo.parse(b"".join(rest))
+        rest, attrs = without_field(data, ATTRIBUTES_FIELD)
+    except WireError as err:
+        raise MalformedLoadInfo(str(err)) from None
+    try:
+        info = pb.LoadInfo.parse(rest)
     except Exception as err:  # betterproto2 raises assorted errors on input it cannot use
         raise MalformedLoadInfo(f"not a LoadInfo: {type(err).__name__}: {err}") from None
     return info, (b"".join(attrs) if attrs else None)

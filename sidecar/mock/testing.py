@@ -42,6 +42,7 @@ from typing import Any
 import trio
 import trio_asyncio
 
+from sidecar.childproc import terminate
 from sidecar.mock.app import ServingInfo, open_engine
 from sidecar.mock.command import ENV_PREFIX
 from sidecar.mock.config import EngineConfig
@@ -147,15 +148,8 @@ async def _read_ready_line(proc: trio.Process) -> dict[str, Any]:
 
 
 async def _stop(proc: trio.Process, grace: float = 5.0) -> None:
+    await terminate(proc, grace)
     with trio.CancelScope(shield=True):
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
-            with trio.move_on_after(grace):
-                await proc.wait()
-        if proc.returncode is None:
-            proc.kill()
-            with trio.move_on_after(grace):
-                await proc.wait()
         if proc.stdout is not None:
             await proc.stdout.aclose()
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 
 from sidecar.openengine import pb
-from sidecar.openengine.rawfields import parse_strict
+from sidecar.openengine.rawfields import length_delimited, parse_strict
 
 __all__ = ["parse_kv_session", "splice_kv_session"]
 
@@ -21,15 +21,6 @@ def parse_kv_session(raw: bytes) -> pb.KvSessionRef:
     """Check ``raw`` is a well-formed ``KvSessionRef`` (framing, known fields' wire types, UTF-8
     strings) and return its parsed form (for admission checks). Raises ``WireError`` (a ``ValueError``)."""
     return parse_strict(pb.KvSessionRef, raw)
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 def splice_kv_session(request: pb.GenerateRequest, raw: bytes) -> pb.GenerateRequest:
@@ -43,6 +34,6 @@ def splice_kv_session(request: pb.GenerateRequest, raw: bytes) -> pb.GenerateReq
     out = copy.copy(request)
     kv = copy.copy(request.kv) if request.kv is not None else pb.KvOptions()
     kv.session = None
-    kv._unknown_fields = b"\x0a" + _varint(len(raw)) + raw  # field 1, wire type 2 (length-delimited)
+    kv._unknown_fields = length_delimited(1, raw)  # field 1 (session)
     out.kv = kv
     return out

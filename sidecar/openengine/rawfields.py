@@ -78,6 +78,36 @@ def _fields(data: bytes) -> Any:
         yield number, wire, start, pos
 
 
+def without_field(data: bytes, number: int) -> tuple[bytes, list[bytes]]:
+    """``data`` with the length-delimited occurrences of field ``number`` cut out, and their
+    payloads in order (the rest byte for byte; cost: the fields' keys and lengths only, a
+    large payload is skipped by its length). Raises :class:`WireError`."""
+    rest: list[bytes] = []
+    found: list[bytes] = []
+    key_start = 0  # a field's key starts where the previous field ended
+    for field, wire, start, end in _fields(data):
+        if field == number and wire == 2:
+            found.append(data[start:end])
+        else:
+            rest.append(data[key_start:end])
+        key_start = end
+    return b"".join(rest), found
+
+
+def length_delimited(number: int, payload: bytes) -> bytes:
+    """One length-delimited field (key, length, ``payload`` unchanged) in wire format."""
+    return encode_varint(number << 3 | 2) + encode_varint(len(payload)) + payload
+
+
+def encode_varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
 def last_field_bytes(data: bytes, number: int) -> bytes | None:
     """Bytes of the last length-delimited occurrence of field ``number`` (None if absent)."""
     found = None
