@@ -14,6 +14,11 @@ def _ms(x: float | None, signed: bool = False) -> str:
     return f"{x:+.2f}" if signed else f"{x:.2f}"
 
 
+def _times(x: float | None, suffix: str = "") -> str:
+    """A ratio (``-`` when not measured: NaN in memory, ``null`` once written as JSON)."""
+    return f"{fmt(x, 2)}x{suffix}" if fmt(x) != "-" else "-"
+
+
 def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     """(metric, through the sidecar, direct EngineClient, grpcio + protobuf, sidecar vs direct)."""
     out: list[tuple[str, str, str, str, str]] = []
@@ -28,7 +33,7 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                 fmt(s.get("tokens_per_s", math.nan)),
                 fmt(e.get("tokens_per_s", math.nan)),
                 fmt(g.get("tokens_per_s", math.nan)),
-                f"{r.get('throughput_vs_engineclient', math.nan):.2f}x",
+                _times(r.get("throughput_vs_engineclient")),
             )
         )
         out.append(
@@ -37,7 +42,7 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                 fmt(s.get("sidecar_cpu_us_per_token", math.nan), 1),
                 fmt(e.get("client_cpu_us_per_token", math.nan), 1),
                 fmt(g.get("client_cpu_us_per_token", math.nan), 1),
-                f"{r.get('sidecar_cpu_per_token_vs_grpcio', math.nan):.2f}x grpcio",
+                _times(r.get("sidecar_cpu_per_token_vs_grpcio"), " grpcio"),
             )
         )
         out.append(
@@ -59,7 +64,7 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                 fmt(s["requests_per_s"]),
                 fmt(e.get("requests_per_s", math.nan)),
                 "",
-                f"{short.get('ratio_vs_engineclient', math.nan):.2f}x",
+                _times(short.get("ratio_vs_engineclient")),
             )
         )
     lat = results.get("latency")

@@ -190,3 +190,22 @@ def test_ratio_with_zero_cpu_is_nan_not_a_crash() -> None:
     assert _ratio(3.0, 2.0) == 1.5
     assert math.isnan(_ratio(3.0, 0.0))
     assert math.isnan(_ratio(3.0, math.nan))
+
+
+def test_report_renders_unmeasured_ratios_as_dashes() -> None:
+    """A quick run can measure 0 CPU ticks for a client: its ratio is NaN in memory and
+    ``null`` in the JSON the table is rendered from (this crashed the table once)."""
+    relay = {
+        "config": {"streams": 2, "tokens": 3, "rounds": 1},
+        "sidecar": {"tokens_per_s": 10.0, "sidecar_cpu_us_per_token": 5.0},
+        "engineclient": {"tokens_per_s": 12.0},
+        "grpcio": {"tokens_per_s": 14.0, "client_cpu_us_per_token": 0.0},
+        "ratios": {"throughput_vs_engineclient": 0.83, "sidecar_cpu_per_token_vs_grpcio": None},
+    }
+    short = {
+        "config": {"concurrency": 2},
+        "sidecar": {"requests_per_s": 5.0},
+        "ratio_vs_engineclient": float("nan"),
+    }
+    table = report.render_table({"relay": relay, "short": short})
+    assert "0.83x" in table and "- " in table and "nan" not in table.lower()
