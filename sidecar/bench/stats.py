@@ -78,7 +78,7 @@ def rss_kib(pid: int | str = "self") -> int:
     return parse_status_kib(Path(f"/proc/{pid}/status").read_text())
 
 
-def fmt(value: float, digits: int = 0) -> str:
+def fmt(value: float | None, digits: int = 0) -> str:
     """A number for tables: thousands separators, ``-`` for NaN/None."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
