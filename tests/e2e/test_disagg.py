@@ -388,9 +388,20 @@ async def test_cancelling_a_bootstrap_flow_aborts_both_engines(aio_loop: Any, tm
                         async with coordinator.generate(generate_request(PROMPT, max_tokens=8)) as flow:
                             await flow.wait_end()
             assert flow.end is not None and flow.end.outcome == "cancelled"
+            # Both sides are cancelled at once. A side whose stream the cancellation reached gets
+            # exactly one Abort. The other may have ended by itself first: when its peer's
+            # cancellation lands first, SGLang's bootstrap transfer fails and the request ends
+            # failed (then no Abort is due, or one that finds it finished).
+            cancelled = 0
             for engine in (pd.prefill, pd.decode):
                 counters = await idle_and_clean(engine.address)
-                assert counters["aborts_received"] == 1 and _ended_by_cancel(counters) == 1, counters
+                shown = {k: v for k, v in counters.items() if k.startswith(("requests_", "abort"))}
+                if _ended_by_cancel(counters):
+                    assert _ended_by_cancel(counters) == 1 and counters["aborts_received"] == 1, shown
+                else:
+                    assert counters["requests_failed"] == 1 and counters["aborts_received"] <= 1, shown
+                cancelled += _ended_by_cancel(counters)
+            assert cancelled >= 1
 
 
 async def test_cancelling_a_context_first_flow(aio_loop: Any, tmp_path: Path) -> None:
