@@ -20,6 +20,7 @@ import trio
 import trustme
 from trio_websocket import ConnectionRejected, HandshakeError, open_websocket_url
 
+from sidecar.childproc import loopback_run_args
 from sidecar.client.sidecar_client import SidecarConnectionError, open_sidecar
 from sidecar.run_command import run, split_host_port
 from tests.e2e.harness import Sidecar, generate_request, mock_engine, sidecar, spawn
@@ -105,23 +106,15 @@ async def test_bearer_token_on_websocket_and_http(aio_loop: Any, tmp_path: Path,
 
 @asynccontextmanager
 async def tls_sidecar(engine_address: str, cert: Path, key: Path, *args: str) -> AsyncIterator[Sidecar]:
-    async with spawn(
-        [
-            "run",
-            "--engine",
-            engine_address,
-            "--listen",
-            "127.0.0.1:0",
-            "--http-listen",
-            "127.0.0.1:0",
-            "--no-kv-events",
-            "--tls-cert",
-            str(cert),
-            "--tls-key",
-            str(key),
-            *args,
-        ]
-    ) as proc:
+    argv = [
+        *loopback_run_args(engine_address),
+        "--no-kv-events",
+        "--tls-cert",
+        str(cert),
+        "--tls-key",
+        str(key),
+    ]
+    async with spawn([*argv, *args]) as proc:
         m = await proc.wait_for_line(TLS_READY)
         yield Sidecar(proc, m.group(1), m.group(2))
 
