@@ -17,7 +17,7 @@ import trio_asyncio
 from h2.connection import H2Connection
 
 from sidecar.mock.testing import mock_engine_in_process
-from sidecar.openengine import pb
+from sidecar.openengine import channel_pool, pb
 from sidecar.openengine.channel_pool import _CoalescingTransport
 from sidecar.openengine.client import EngineClient, open_engine_client
 from sidecar.openengine.errors import EngineUnavailable
@@ -343,3 +343,25 @@ async def test_abort_drops_pending_writes(aio_loop: Any) -> None:
 
     inner = await trio_asyncio.aio_as_trio(scenario)()
     assert inner.writes == [] and inner.aborted
+
+
+async def test_each_connection_remembers_a_bounded_number_of_closed_streams(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """h2 keeps closed stream ids (65,536 by default, ~7.5 MiB per connection); the client's
+    connections keep CLOSED_STREAMS_KEPT — the soak's steady RSS growth was exactly this."""
+    monkeypatch.setattr(channel_pool, "CLOSED_STREAMS_KEPT", 10)
+    server.engine.streams["Generate"] = lambda r, md: tokens(r.request_id, 2)
+    with trio.fail_after(20):
+        async with open_engine_client(server.address, generate_channels=1) as client:
+            for i in range(25):
+                async with client.generate(req(f"r{i}")) as stream:
+                    async for _ in stream:
+                        pass
+            await client.health()
+            (slot,) = client._generate._slots
+            generate_h2 = slot.channel._protocol.connection._connection
+            # h2 files a stream under "closed" when it next counts open streams: 24 of 25 here
+            assert len(generate_h2._closed_streams) == 10 and generate_h2._closed_streams._size_limit == 10
+            control_h2 = client._control._protocol.connection._connection  # every channel: same bound
+            assert control_h2._closed_streams._size_limit == 10
