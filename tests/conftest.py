@@ -7,9 +7,20 @@ from collections.abc import AsyncIterator
 import pytest
 import trio_asyncio
 
+from tests.openengine.fake_engine import FakeEngine, RunningServer
+
 
 @pytest.fixture
 async def aio_loop() -> AsyncIterator[trio_asyncio.TrioEventLoop]:
     """A trio-asyncio loop for tests that touch grpclib through the OpenEngine layer."""
     async with trio_asyncio.open_loop() as loop:
         yield loop
+
+
+@pytest.fixture
+async def server(aio_loop: trio_asyncio.TrioEventLoop) -> AsyncIterator[RunningServer]:
+    """The scriptable fake engine (tests/openengine/fake_engine.py) on loopback gRPC."""
+    srv = RunningServer(FakeEngine())
+    await srv.start()
+    yield srv
+    await srv.stop()

@@ -21,15 +21,7 @@ from sidecar.core.lifecycle import (
 )
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
-from tests.openengine.fake_engine import FakeEngine, Gate, RunningServer, Status, status, tokens
-
-
-@pytest.fixture
-async def server(aio_loop: Any) -> AsyncIterator[RunningServer]:
-    srv = RunningServer(FakeEngine())
-    await srv.start()
-    yield srv
-    await srv.stop()
+from tests.openengine.fake_engine import Gate, RunningServer, Status, status, tokens
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ connection) and the scriptable fake engine (with a patched, smaller limit where 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import grpclib.protocol
@@ -22,14 +22,6 @@ from sidecar.openengine.channel_pool import _CoalescingTransport
 from sidecar.openengine.client import EngineClient, open_engine_client
 from sidecar.openengine.errors import EngineUnavailable
 from tests.openengine.fake_engine import FakeEngine, Gate, RunningServer, tokens
-
-
-@pytest.fixture
-async def server(aio_loop: Any) -> AsyncIterator[RunningServer]:
-    srv = RunningServer(FakeEngine())
-    await srv.start()
-    yield srv
-    await srv.stop()
 
 
 def stalled(server: RunningServer) -> Gate:

@@ -22,14 +22,6 @@ from tests.openengine.fake_engine import FakeEngine, Gate, RunningServer, Status
 
 
 @pytest.fixture
-async def server(aio_loop: Any) -> AsyncIterator[RunningServer]:
-    srv = RunningServer(FakeEngine())
-    await srv.start()
-    yield srv
-    await srv.stop()
-
-
-@pytest.fixture
 async def client(server: RunningServer) -> AsyncIterator[EngineClient]:
     async with open_engine_client(server.address) as c:
         yield c

@@ -3,24 +3,12 @@ loopback, the fake engine of tests/openengine)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Any
-
-import pytest
 import trio
 
 from sidecar.core.lifecycle import ClientGone, LifecycleConfig, StreamSupervisor
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
-from tests.openengine.fake_engine import FakeEngine, Gate, RunningServer, tokens
-
-
-@pytest.fixture
-async def server(aio_loop: Any) -> AsyncIterator[RunningServer]:
-    srv = RunningServer(FakeEngine())
-    await srv.start()
-    yield srv
-    await srv.stop()
+from tests.openengine.fake_engine import Gate, RunningServer, tokens
 
 
 async def test_client_gone_raised_inside_a_cancelled_connection_is_contained(server: RunningServer) -> None:
