@@ -1,4 +1,4 @@
-"""``openengine-sidecar run``: serve one engine (the task tree of ARCHITECTURE.md).
+"""``openengine-sidecar run``: serve one engine (the task tree of docs/design/architecture.md).
 
     trio.run(main)
     └─ trio_asyncio loop (grpclib lives there, nowhere else)

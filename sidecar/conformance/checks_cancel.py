@@ -18,8 +18,9 @@ from sidecar.conformance.context import Context, LiveStream
 from sidecar.conformance.model import Fail, Skip, check, require
 from sidecar.conformance.streams import StreamRecord
 from sidecar.openengine import pb
+from sidecar.openengine.revision import spec_url
 
-LIFECYCLE = "docs/api.md#health-abort-and-drain"
+LIFECYCLE = spec_url("health-abort-and-drain")
 FREE_WITHIN = 1.0
 SETTLE = 0.2
 END_WITHIN = 3.0

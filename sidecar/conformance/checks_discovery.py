@@ -10,11 +10,11 @@ from sidecar.conformance.model import Fail, Skip, check, require
 from sidecar.core.negotiation import release_kind
 from sidecar.openengine import pb
 from sidecar.openengine.errors import EngineStatusError
-from sidecar.openengine.revision import CLIENT_REVISION, OLDEST_SERVER_REVISION
+from sidecar.openengine.revision import CLIENT_REVISION, OLDEST_SERVER_REVISION, spec_url
 
-IDENTITY = "docs/api.md#server-identity-deployment-capacity-and-engine-roles"
-MODELS = "docs/api.md#model-identity-and-capabilities"
-KV = "docs/api.md#kv-connector-and-kv-events"
+IDENTITY = spec_url("server-identity-deployment-capacity-and-engine-roles")
+MODELS = spec_url("model-identity-and-capabilities")
+KV = spec_url("kv-connector-and-kv-events")
 WILDCARDS = frozenset({"", "*", "0.0.0.0", "::", "[::]", "0:0:0:0:0:0:0:0"})
 TRANSPORTS = frozenset({"grpc", "zmq"})
 ENCODINGS = frozenset({"protobuf", "msgpack"})

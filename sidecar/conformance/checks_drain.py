@@ -24,8 +24,9 @@ from sidecar.nursery import open_background_nursery
 from sidecar.openengine import pb
 from sidecar.openengine.errors import EngineClientError, EngineStatusError, EngineUnavailable
 from sidecar.openengine.raw import raw_drain
+from sidecar.openengine.revision import spec_url
 
-LIFECYCLE = "docs/api.md#health-abort-and-drain"
+LIFECYCLE = spec_url("health-abort-and-drain")
 DRAIN_WITHIN = 5.0
 IMMEDIATE = 2.0
 PEEK = 0.3

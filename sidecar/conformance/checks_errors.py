@@ -1,6 +1,6 @@
 """Refusals before acceptance: invalid requests, ``openengine-*`` metadata, role mismatch.
 
-Each must be a non-OK gRPC status with no response event (docs/api.md "Standard errors":
+Each must be a non-OK gRPC status with no response event (the schema's api.md, "Standard errors":
 before acceptance → status, no events). Metadata checks first send a control request
 (the same request without the bad metadata) and skip when even that is refused.
 """
@@ -13,10 +13,11 @@ from sidecar.conformance.context import Context, describe_status
 from sidecar.conformance.model import Skip, check, require
 from sidecar.conformance.streams import StreamRecord
 from sidecar.openengine import pb
+from sidecar.openengine.revision import spec_url
 
-ERRORS = "docs/api.md#standard-errors"
-METADATA = "docs/api.md#grpc-request-metadata"
-ROLES = "docs/api.md#server-identity-deployment-capacity-and-engine-roles"
+ERRORS = spec_url("standard-errors")
+METADATA = spec_url("grpc-request-metadata")
+ROLES = spec_url("server-identity-deployment-capacity-and-engine-roles")
 
 KEY_ROUTING = "openengine-routing-key"
 KEY_RANK = "openengine-target-dp-rank"

@@ -11,9 +11,10 @@ from sidecar.conformance.corpus import Corpus, get_corpus
 from sidecar.conformance.model import Fail, Skip, check, require
 from sidecar.conformance.streams import StreamRecord
 from sidecar.openengine import pb
+from sidecar.openengine.revision import spec_url
 
-GENERATION = "docs/api.md#generation-api"
-ERRORS = "docs/api.md#standard-errors"
+GENERATION = spec_url("generation-api")
+ERRORS = spec_url("standard-errors")
 
 
 def _judge(corpus: Corpus, records: list[StreamRecord], rule: Callable[[StreamRecord], list[str]]) -> str:

@@ -24,8 +24,9 @@ from sidecar.conformance.kv_watch import (
     watch_ranks,
 )
 from sidecar.conformance.model import Fail, Skip, check, require
+from sidecar.openengine.revision import spec_url
 
-KV = "docs/api.md#kv-connector-and-kv-events"
+KV = spec_url("kv-connector-and-kv-events")
 WAIT = 3.0
 WARM_ATTEMPTS = 10
 ROUNDS = 5

@@ -14,8 +14,9 @@ from sidecar.conformance.context import Context, describe_status
 from sidecar.conformance.model import Skip, check, require
 from sidecar.openengine import pb
 from sidecar.openengine.errors import EngineStatusError
+from sidecar.openengine.revision import spec_url
 
-LORA = "docs/api.md#lora-lifecycle"
+LORA = spec_url("lora-lifecycle")
 
 
 async def _load(ctx: Context, adapter: pb.LoraAdapter) -> str:

@@ -19,8 +19,9 @@ from sidecar.conformance.model import Fail, Skip, check, require
 from sidecar.conformance.streams import StreamRecord
 from sidecar.nursery import open_background_nursery
 from sidecar.openengine import pb
+from sidecar.openengine.revision import spec_url
 
-PD = "docs/api.md#disaggregated-serving-and-kv-api"
+PD = spec_url("disaggregated-serving-and-kv-api")
 PROMPT = "Prefill and decode must agree on every block of this prompt, " * 4
 TIMEOUT = 30.0
 

@@ -61,7 +61,7 @@ def require(condition: object, reason: str, details: Iterable[str] = ()) -> None
 @dataclass(frozen=True)
 class Check:
     """One registered check. ``rule`` is the OpenEngine rule it enforces, ``ref`` where
-    that rule is written (a section of the schema's docs/api.md)."""
+    that rule is written (a URL of a section of the schema's api.md at the release we build from: :func:`sidecar.openengine.revision.spec_url`)."""
 
     id: str
     rule: str

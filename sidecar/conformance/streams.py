@@ -2,7 +2,7 @@
 
 The EngineClient stops at the first broken rule; here every rule is its own function over
 a whole recorded stream, so each conformance check reports exactly the rule it names and
-one misbehaviour does not mask another. Rules: docs/api.md "Generation API" (output
+one misbehaviour does not mask another. Rules: the schema's api.md, "Generation API" (output
 scope, finishes, ``Usage``, ``PromptOutput``, ``stop_match``) and "Standard errors"
 (``EngineError`` is terminal; the stream then closes OK).
 """

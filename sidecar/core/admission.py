@@ -34,7 +34,7 @@ Unknown (absent) capabilities — the policy:
 - **Pass to the engine** where the contract makes the engine reject loudly: text vs
   token-id input (rejected only when explicitly ``false``), ``media_options`` when
   ``supports_per_request_media_options`` is unreported (only explicit ``false`` rejects,
-  docs/api.md), media on a revision-1 engine that reports ``supports_multimodal = true``
+  the schema's api.md), media on a revision-1 engine that reports ``supports_multimodal = true``
   but no ``multimodal_capabilities``, and limits that are unreported.
 - Explicit defaults are always fine: ``include_stop_in_output = false``,
   ``bypass_prefix_cache = false``, ``num_sequences = 1``, ``return_*_logprobs = false``.
@@ -73,7 +73,7 @@ from sidecar.openengine import pb
 
 __all__ = ["MEDIA_OPTION_KEYS", "Admitted", "admit"]
 
-#: ``media_options`` is keyed by modality name (docs/api.md).
+#: ``media_options`` is keyed by modality name (the schema's api.md).
 MEDIA_OPTION_KEYS = ("image", "video", "audio")
 
 

@@ -6,7 +6,7 @@ as everywhere in the north protocol; Python attributes stay snake_case. Presence
 report the value (unknown), which is distinct from a reported ``False`` / ``0`` / ``[]``.
 Enum values appear as short lower-case names (``"aggregated"``, ``"top_n"``,
 ``"json_schema"``, ``"image"``, ``"data_uri"``); enum values this build does not know
-are treated as unspecified and dropped from lists (docs/api.md: never an error).
+are treated as unspecified and dropped from lists (the schema's api.md: never an error).
 
 :func:`build_card` is pure; :mod:`sidecar.core.discovery` feeds it. Things that make the
 engine unservable are listed in :attr:`WorkerCard.problems` (discovery raises on them).

@@ -70,8 +70,6 @@ def abort_kv_session_bytes(raw: bytes) -> bytes:
     return length_delimited(2, raw)  # field 2: kv_session
 
 
-# Sub-message fields of KvSessionRef and what it embeds (field number -> message name), so the
-# wire check below can descend into them; other length-delimited fields are opaque bytes.
 def parse_kv_session(data: bytes) -> pb.KvSessionRef:
     """Parse ``kvSessionBytes``; ``INVALID_ARGUMENT`` if empty, too large or not a ``KvSessionRef``.
 

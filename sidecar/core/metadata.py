@@ -1,4 +1,4 @@
-"""Validation of the gRPC request metadata a client asks us to forward (docs/api.md, "gRPC request metadata").
+"""Validation of the gRPC request metadata a client asks us to forward (the schema's api.md, "gRPC request metadata").
 
 Policy (every violation is ``ERROR_CODE_INVALID_ARGUMENT``; nothing reaches the engine):
 

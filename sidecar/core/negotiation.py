@@ -1,4 +1,4 @@
-"""OpenEngine schema-revision negotiation (docs/api.md, "Server identity").
+"""OpenEngine schema-revision negotiation (the schema's api.md, "Server identity").
 
 Rules, checked in this order; the first failure raises :class:`NegotiationError`
 with a one-line reason and nothing is served (fail closed):

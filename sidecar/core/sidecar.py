@@ -470,7 +470,7 @@ def _check_lora_adapter(adapter: pb.LoraAdapter | None, root: str | None = None)
             )
 
 
-#: gRPC status of a failed LoRA call -> the code the client sees (docs/api.md "LoRA lifecycle").
+#: gRPC status of a failed LoRA call -> the code the client sees (the schema's api.md, "LoRA lifecycle").
 _LORA_STATUS_CODES = {
     "NOT_FOUND": pb.ErrorCode.MODEL_NOT_FOUND,  # unknown adapter, or a source path the engine cannot see
     "ALREADY_EXISTS": pb.ErrorCode.INVALID_ARGUMENT,  # conflicts with a loaded adapter (id, name or path)

@@ -1,6 +1,6 @@
 """Decoding of engine ZMQ KV-event payloads (msgpack) into the normalized model.
 
-Accepted shapes (ENGINE-FACTS.md "Engine KV events over ZMQ"):
+Accepted shapes (docs/design/engine-facts.md "KV events over ZMQ"):
 
 - batch ``[ts, events]`` or ``[ts, events, dp_rank]`` (SGLang names the third field
   ``attn_dp_rank``; same slot), or, leniently, a map with ``ts`` / ``events`` / a rank key;

@@ -2,7 +2,7 @@
 
 One model for every source (vLLM / SGLang ZMQ msgpack, OpenEngine protobuf): msgspec
 Structs that encode exactly as vLLM's ZMQ KV events in their tagged-map form
-(ARCHITECTURE.md "KV events out", ENGINE-FACTS.md "Engine KV events over ZMQ"):
+(docs/KVBRIDGE.md, docs/design/engine-facts.md "KV events over ZMQ"):
 
 - payload ``[ts, [event...], dp_rank]`` (an array),
 - each event a map tagged by ``"type"``: ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``.

@@ -1,6 +1,6 @@
 """Replay protocol pieces (I/O-free): the bounded buffer and the frame layouts.
 
-Protocol (ARCHITECTURE.md "KV events out", ENGINE-FACTS.md "Replay"): a subscriber's
+Protocol (docs/KVBRIDGE.md, docs/design/engine-facts.md "KV events over ZMQ"): a subscriber's
 DEALER sends ``[b"", start_seq (8 bytes big-endian)]`` to the ROUTER; the answer is
 ``[b"", topic, seq, payload]`` for every held batch with ``seq >= start`` — or from the
 oldest held batch when ``start`` is older than the buffer — then the end marker

@@ -3,7 +3,7 @@
 Two trackers, one per upstream kind; both turn sequence numbers into :data:`Action` lists
 that the ingest tasks carry out in order.
 
-:class:`ZmqSequencer` — ZMQ PUB + optional replay ROUTER (ENGINE-FACTS.md):
+:class:`ZmqSequencer` — ZMQ PUB + optional replay ROUTER (docs/design/engine-facts.md):
 
 - in order (``seq == next``) -> :class:`Emit`;
 - ``seq < next`` but newer than the last *live* message -> duplicate (a replay already

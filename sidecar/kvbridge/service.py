@@ -1,6 +1,6 @@
 """The KV event bridge service: engine KV sources in, one vLLM-format publisher per DP rank out.
 
-Task tree (ARCHITECTURE.md)::
+Task tree (docs/design/architecture.md)::
 
     run_kv_bridge                      # started in the sidecar's root nursery
     └─ nursery

@@ -1,6 +1,6 @@
 """KV event sources: what ``GetKvEventSources`` advertises, validated into one source per DP rank.
 
-Rules (ENGINE-FACTS.md "OpenEngine-native KV events", kv.proto ``KvEventSource``):
+Rules (docs/design/engine-facts.md "KV events over gRPC", kv.proto ``KvEventSource``):
 
 - a source's ``transport`` is ``grpc`` (``SubscribeKvEvents`` on the engine we already talk
   to; encoding ``protobuf``) or ``zmq`` (encoding ``msgpack``); an empty encoding means the

@@ -1,6 +1,6 @@
 """pyzmq under trio: receive / send without blocking the thread, and endpoint helpers.
 
-ZMQ's notification FD is edge-triggered (NOTES.md): any send, receive or ``EVENTS`` read
+ZMQ's notification FD is edge-triggered (docs/design/stack-notes.md): any send, receive or ``EVENTS`` read
 may consume the notification. So we only wait on the FD after ``EVENTS`` says there is
 nothing to do, and re-check ``EVENTS`` after every wake-up. One task owns each socket;
 callers close sockets with ``linger=0`` in ``finally``.

@@ -1,6 +1,6 @@
 """KV event wire formats and fault logic of the simulated engines (I/O-free).
 
-msgpack (ZMQ, vLLM and SGLang flavours; ENGINE-FACTS.md "Engine KV events over ZMQ"):
+msgpack (ZMQ, vLLM and SGLang flavours; docs/design/engine-facts.md "KV events over ZMQ"):
 
 * frames ``[topic, seq (8 bytes big-endian), payload]``; payload
   ``[ts: float, [event, ...], dp_rank: int]`` (SGLang calls the third field

@@ -1,6 +1,6 @@
 """LoRA adapter registry of a simulated engine (I/O-free apart from the path check).
 
-Schema rules (docs/api.md "LoRA lifecycle"): ``lora_id`` > 0, non-empty name, absolute
+Schema rules (the schema's api.md, "LoRA lifecycle"): ``lora_id`` > 0, non-empty name, absolute
 ``source_path`` (a directory the engine can see); the same (id, name, path) twice is
 idempotent (``already_loaded``); any other overlap of id, name or path is
 ``ALREADY_EXISTS``; unknown → ``NOT_FOUND``; LoRA disabled → ``FAILED_PRECONDITION``.

@@ -79,7 +79,7 @@ def parse_metadata(
     lenient: bool = False,
     allow_repeats: bool = False,
 ) -> RoutingMetadata:
-    """Check the OpenEngine keys (docs/api.md "gRPC request metadata").
+    """Check the OpenEngine keys (the schema's api.md, "gRPC request metadata").
 
     At most one value per ``openengine-*`` key; numbers are base-10 ``uint32`` / ``int32``;
     a target rank must name one of this server's ranks. Unknown keys are ignored.

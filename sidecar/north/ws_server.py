@@ -1,4 +1,4 @@
-"""The WebSocket plane: north protocol v1 on ``/v1/ws`` (ARCHITECTURE.md, docs/PROTOCOL.md).
+"""The WebSocket plane: north protocol v1 on ``/v1/ws`` (docs/design/architecture.md, docs/PROTOCOL.md).
 
 Per connection, one nursery holds a reader (this task), a single writer (the only task that
 touches the socket's send side, fed by a bounded channel) and one task per admitted stream.

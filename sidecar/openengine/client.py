@@ -9,7 +9,7 @@ streams. Channels reconnect lazily: after the engine restarts, the next call ope
 connection (callers add backoff).
 
 Cancellation: each call's whole grpclib lifecycle (open, send, receive, close) runs in ONE
-asyncio coroutine that trio awaits once (NOTES.md: wrapping ``open()`` itself leaks the
+asyncio coroutine that trio awaits once (docs/design/stack-notes.md: wrapping ``open()`` itself leaks the
 stream). Cancelling the trio caller cancels that coroutine, whose ``async with`` resets the
 HTTP/2 stream, so the engine sees the cancellation at once.
 
@@ -383,7 +383,7 @@ class EngineClient:
         what = route.rsplit("/", 1)[-1]
 
         async def pump() -> None:
-            # asyncio side: the whole call lives here (NOTES.md). Messages go to trio with
+            # asyncio side: the whole call lives here (docs/design/stack-notes.md). Messages go to trio with
             # send_nowait (no loop hop); only a full channel awaits trio (back-pressure).
             release: Callable[[], None] | None = None
             try:

@@ -2,7 +2,7 @@
 
 - :func:`last_field_bytes` / :func:`nested_field_bytes`: a length-delimited field's exact
   bytes, used to relay the engine's ``KvSessionRef`` byte for byte (re-serializing a parsed
-  message may reorder fields; a handoff is forwarded unchanged — ENGINE-FACTS.md).
+  message may reorder fields; a handoff is forwarded unchanged — docs/design/engine-facts.md).
 - :func:`check_message` / :func:`parse_strict`: betterproto2's parser silently accepts
   truncated or malformed input, so bytes from outside (a client's ``kvSessionBytes``) are
   walked first: framing, the schema's wire type for every known field, UTF-8 strings,

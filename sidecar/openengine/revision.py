@@ -8,3 +8,10 @@ OLDEST_SERVER_REVISION = 1
 SCHEMA_RELEASE = "a66ff6f73a65e262a7c3edd5ea6fd0d8701d402f"
 #: Repository the release refers to.
 SCHEMA_REPOSITORY = "ai-dynamo/openengine"
+
+
+def spec_url(section: str = "") -> str:
+    """Where the schema's field-level rules are written: its ``docs/api.md`` at
+    :data:`SCHEMA_RELEASE`, optionally at one section's anchor."""
+    url = f"https://github.com/{SCHEMA_REPOSITORY}/blob/{SCHEMA_RELEASE}/docs/api.md"
+    return f"{url}#{section}" if section else url

@@ -11,6 +11,7 @@ from sidecar.conformance.context import Context, SuiteOptions
 from sidecar.conformance.model import Check, Fail, Skip, Status, select_checks
 from sidecar.conformance.runner import GROUP_ORDER, all_checks, run_check
 from sidecar.openengine.errors import EngineUnavailable
+from sidecar.openengine.revision import spec_url
 
 
 def test_checks_are_registered_in_group_order() -> None:
@@ -22,7 +23,7 @@ def test_checks_are_registered_in_group_order() -> None:
     assert all(c.destructive for c in checks if c.group == "drain")
     assert not any(c.destructive for c in checks if c.group != "drain")
     for c in checks:
-        assert c.rule and c.ref.startswith("docs/api.md#"), c.id
+        assert c.rule and c.ref.startswith(spec_url() + "#"), c.id
 
 
 def test_selection_patterns() -> None:
@@ -49,7 +50,7 @@ def test_selection_patterns() -> None:
 
 
 def _check(func: Any, timeout: float = 5.0) -> Check:
-    return Check("unit.check", "a rule", "docs/api.md#x", func, timeout=timeout)
+    return Check("unit.check", "a rule", "ref#x", func, timeout=timeout)
 
 
 async def test_run_check_outcomes() -> None:

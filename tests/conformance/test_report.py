@@ -17,9 +17,9 @@ async def _noop(ctx: object) -> None:
 
 
 def _report() -> Report:
-    a = Check("discovery.release", "schema_release is immutable", "docs/api.md#x", _noop)
-    b = Check("generate.usage-final", "Usage only on the final event " * 5, "docs/api.md#y", _noop)
-    c = Check("pd.handoff", "round trip", "docs/api.md#z", _noop)
+    a = Check("discovery.release", "schema_release is immutable", "ref#x", _noop)
+    b = Check("generate.usage-final", "Usage only on the final event " * 5, "ref#y", _noop)
+    c = Check("pd.handoff", "round trip", "ref#z", _noop)
     report = Report(SuiteOptions(engine="127.0.0.1:1"), started_at="now", duration=1.25)
     report.engines["engine"] = {
         "engine_name": "vllm",
@@ -59,7 +59,7 @@ def test_json_report() -> None:
     assert data["options"]["engine"] == "127.0.0.1:1"
     check = data["checks"][1]
     assert check["id"] == "generate.usage-final" and check["status"] == "fail" and len(check["details"]) == 9
-    assert check["rule"].startswith("Usage only") and check["ref"] == "docs/api.md#y"
+    assert check["rule"].startswith("Usage only") and check["ref"] == "ref#y"
     assert data["checks"][0]["reason"] == "commit abc"
 
 

@@ -1,4 +1,4 @@
-"""An independent consumer of the bridge's output, written from the spec (ARCHITECTURE.md).
+"""An independent consumer of the bridge's output, written from the spec (docs/KVBRIDGE.md).
 
 It does not import the bridge: frames ``[topic, seq (8 bytes BE), payload]``, payload a
 msgpack array ``[ts, [event map tagged by "type"], dp_rank]``, replay over a DEALER

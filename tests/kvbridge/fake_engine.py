@@ -1,4 +1,4 @@
-"""A small spec-conformant engine KV publisher (ENGINE-FACTS.md), independent of the bridge code.
+"""A small spec-conformant engine KV publisher (docs/design/engine-facts.md), independent of the bridge code.
 
 Real ZMQ sockets on 127.0.0.1: an XPUB (a PUB to subscribers; XPUB only so a test can wait
 for the bridge's subscription instead of sleeping) and a replay ROUTER. Events are given

@@ -1,6 +1,6 @@
 """ZMQ KV events of the vLLM / SGLang mocks, checked by an independent subscriber.
 
-The subscriber below decodes frames per ENGINE-FACTS.md ("Engine KV events over
+The subscriber below decodes frames per docs/design/engine-facts.md ("KV events over
 ZMQ") with plain pyzmq + msgspec's untyped msgpack decoder; it does not use the
 mock's encoder. The expected events come from the cache's ground truth records.
 """
@@ -98,7 +98,7 @@ def decode_payload(payload: bytes) -> tuple[float, list[tuple[str, dict[str, Any
 
 
 def expected(ev: KvEventRecord, style: str) -> tuple[str, dict[str, Any]]:
-    """What ENGINE-FACTS.md says the wire carries for a ground-truth record."""
+    """What docs/design/engine-facts.md says the wire carries for a ground-truth record."""
     if isinstance(ev, BlockStored):
         lora_name: Any = ev.lora_name
         if style == "sglang" and ev.cache_salt is not None:

@@ -1,0 +1,89 @@
+"""The layer rules of docs/design/architecture.md, checked on the source.
+
+A package may import only packages of a lower rank (shared utilities are rank 0), and the
+third-party libraries whose world must stay behind one boundary (grpclib/h2, asyncio,
+Dynamo's runtime, vLLM) are imported only where the design says.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent / "sidecar"
+
+#: top-level module or package under sidecar/ -> rank; imports must point to a lower rank.
+RANK: dict[str, int] = {
+    "nursery": 0,
+    "metrics": 0,
+    "cli_options": 0,
+    "childproc": 0,
+    "sdnotify": 0,
+    "openengine": 1,
+    "version": 2,
+    "core": 3,
+    "kvbridge": 3,
+    "mock": 3,
+    "north": 4,
+    "conformance": 4,
+    "client": 5,
+    "dynamo": 5,
+    "engines": 5,
+    "bench": 6,
+    "cli": 3,
+    "run_command": 6,
+    "__main__": 7,
+    "__init__": 7,
+}
+
+#: third-party top-level module -> the sidecar packages (or single files) allowed to import it.
+CONFINED: dict[str, tuple[str, ...]] = {
+    "grpclib": ("openengine", "bench/engine_proc.py"),
+    "h2": ("openengine", "bench/engine_proc.py"),
+    "asyncio": ("openengine", "mock", "bench", "engines"),
+    "dynamo": ("dynamo",),
+    "vllm": ("engines",),
+}
+
+
+def _modules() -> list[Path]:
+    return [p for p in sorted(ROOT.rglob("*.py")) if "_generated" not in p.parts]
+
+
+def _owner(path: Path) -> str:
+    parts = path.relative_to(ROOT).parts
+    return parts[0] if len(parts) > 1 else parts[0].removesuffix(".py")
+
+
+def _imports(path: Path) -> list[str]:
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+    return names
+
+
+def test_every_sidecar_package_has_a_rank() -> None:
+    owners = {_owner(p) for p in _modules()}
+    assert owners <= set(RANK), (
+        f"add these to RANK (and to docs/design/architecture.md): {owners - set(RANK)}"
+    )
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_point_down_the_layers(path: Path) -> None:
+    owner = _owner(path)
+    rel = str(path.relative_to(ROOT))
+    for name in _imports(path):
+        top, _, rest = name.partition(".")
+        if top == "sidecar" and rest:
+            target = rest.split(".")[0]
+            if target != owner:
+                assert RANK[target] < RANK[owner], f"{rel} imports {name}: {target} is not below {owner}"
+        elif top in CONFINED:
+            allowed = CONFINED[top]
+            assert owner in allowed or rel in allowed, f"{rel} imports {name}: only {allowed} may"
