@@ -6,13 +6,10 @@ deployment files' checks fail instead of silently drifting.
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import click
-import pytest
 
 from sidecar.cli_options import env_name
 from sidecar.run_command import run as run_command
@@ -58,14 +55,3 @@ def stop_budget(drain_timeout: float | None = None) -> float:
     """Seconds a drain may take: drain timeout + abort timeout + 1 s (docs/LIFECYCLE.md)."""
     drain = run_default("drain_timeout") if drain_timeout is None else drain_timeout
     return float(drain) + float(run_default("abort_timeout")) + 1.0
-
-
-def require_tool(name: str) -> str:
-    """Path of a command-line tool; skip when absent locally, fail in CI (scripts/ci-deps installs it)."""
-    path = shutil.which(name)
-    if path is None:
-        message = f"{name} is not installed (scripts/ci-deps installs it)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return path

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from tests.deploy.helpers import LAUNCH, ROOT, require_tool
+from tests.deploy.helpers import LAUNCH, ROOT
+from tests.prereq import require_tool
 
 SCRIPTS = sorted(
     [*LAUNCH.glob("*.sh"), *(ROOT / "scripts").glob("*")],

@@ -12,11 +12,11 @@ from tests.deploy.helpers import (
     DEPLOY,
     default_ports,
     port_of,
-    require_tool,
     run_default,
     run_env_vars,
     stop_budget,
 )
+from tests.prereq import require_tool
 
 SYSTEMD = DEPLOY / "systemd"
 TEMPLATE = SYSTEMD / "openengine-sidecar@.service"

@@ -20,24 +20,20 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from sidecar.childproc import loopback_run_args
 from sidecar.client.sidecar_client import open_sidecar
 from sidecar.dynamo.tokenizer_dir import write_mock_tokenizer_dir
 from tests.e2e.harness import SIDECAR_READY, Proc, eventually, spawn, spawn_argv
+from tests.prereq import require_module
 
 MODEL = "Qwen/Qwen3-0.6B"
 
 
 def require_dynamo() -> None:
-    """Skip unless the 'dynamo' extra is installed (scripts/install-dynamo)."""
-    pytest.importorskip(
-        "dynamo.llm", reason="the 'dynamo' extra is not installed (run scripts/install-dynamo)"
-    )
-    pytest.importorskip(
-        "tokenizers", reason="the 'dynamo' extra is not installed (run scripts/install-dynamo)"
-    )
+    """Skip unless the 'dynamo' extra is installed (scripts/install-dynamo); fail under CI."""
+    require_module("dynamo.llm", "scripts/install-dynamo")
+    require_module("tokenizers", "scripts/install-dynamo")
 
 
 def free_port() -> int:

@@ -6,13 +6,12 @@ import json
 import random
 from pathlib import Path
 
-import pytest
-
 from sidecar.dynamo.tokenizer_dir import write_mock_tokenizer_dir
 from sidecar.mock import generator as gen
 from sidecar.mock import tokenizer as tok
+from tests.prereq import require_module
 
-tokenizers = pytest.importorskip("tokenizers", reason="the 'dynamo' extra (tokenizers) is not installed")
+tokenizers = require_module("tokenizers", "scripts/install-dynamo")
 
 
 def test_decoding_matches_the_mock(tmp_path: Path) -> None:
