@@ -1,8 +1,9 @@
 """A real Dynamo deployment on this machine for end-to-end tests: frontend, sidecars, mock engines.
 
 Everything runs as subprocesses on loopback: Dynamo's frontend (``python -m dynamo.frontend``)
-with file discovery, the tcp request plane and the zmq event plane (``DYN_FILE_KV`` under the
-test's tmp dir, every host pinned to 127.0.0.1); ``openengine-sidecar run --dynamo`` in front of
+on the deployment's discovery backend and planes (``tests.dynamo.planes``: a real etcd, and
+nats-server for the NATS planes; or file discovery under the test's tmp dir when a test passes
+its ``tmp_path``), every host pinned to 127.0.0.1; ``openengine-sidecar run --dynamo`` in front of
 ``mock-engine`` whose tokenizer source is a tokenizer directory of the mock vocabulary built at
 test time (``sidecar.dynamo.tokenizer_dir``). Readiness is polled (another process's state),
 always bounded.
@@ -11,7 +12,6 @@ always bounded.
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -24,6 +24,7 @@ import httpx
 from sidecar.childproc import loopback_run_args
 from sidecar.client.sidecar_client import open_sidecar
 from sidecar.dynamo.tokenizer_dir import write_mock_tokenizer_dir
+from tests.dynamo.planes import Deployment, file_deployment, free_port
 from tests.e2e.harness import SIDECAR_READY, Proc, eventually, spawn, spawn_argv
 from tests.prereq import require_module
 
@@ -36,25 +37,14 @@ def require_dynamo() -> None:
     require_module("tokenizers", "scripts/install-dynamo")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def as_deployment(where: Path | Deployment) -> Deployment:
+    """A test's deployment; a bare ``tmp_path`` means file discovery there (tcp, zmq)."""
+    return where if isinstance(where, Deployment) else file_deployment(where)
 
 
-def dynamo_env(tmp_path: Path) -> dict[str, str]:
+def dynamo_env(where: Path | Deployment) -> dict[str, str]:
     """DYN_* settings shared by the frontend and the workers of one test deployment."""
-    return {
-        "DYN_FILE_KV": str(tmp_path / "dynamo-kv"),
-        "DYN_DISCOVERY_BACKEND": "file",
-        "DYN_REQUEST_PLANE": "tcp",
-        "DYN_EVENT_PLANE": "zmq",
-        "DYN_TCP_RPC_HOST": "127.0.0.1",
-        "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
-        "DYN_EVENT_PLANE_HOST": "127.0.0.1",
-        "DYN_SELF_HOST_METADATA": "0",
-        "DYN_LOG": "warn",
-    }
+    return as_deployment(where).env()
 
 
 def tokenizer_dir(tmp_path: Path) -> Path:
@@ -94,9 +84,11 @@ class Frontend:
 
 
 @asynccontextmanager
-async def frontend(tmp_path: Path, *args: str) -> AsyncIterator[Frontend]:
-    """``python -m dynamo.frontend`` on a free loopback port (``args``: extra frontend flags)."""
-    port = free_port()
+async def frontend(where: Path | Deployment, *args: str, port: int = 0) -> AsyncIterator[Frontend]:
+    """``python -m dynamo.frontend`` on a free loopback port (or ``port``), on the deployment's
+    discovery backend and planes (``args``: extra frontend flags)."""
+    dep = as_deployment(where)
+    port = port or free_port()
     argv = [
         sys.executable,
         "-m",
@@ -105,9 +97,10 @@ async def frontend(tmp_path: Path, *args: str) -> AsyncIterator[Frontend]:
         "127.0.0.1",
         "--http-port",
         str(port),
+        *dep.frontend_args(),
         *args,
     ]
-    async with spawn_argv(argv, dynamo_env(tmp_path)) as proc:
+    async with spawn_argv(argv, dep.env()) as proc:
         url = f"http://127.0.0.1:{port}"
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
             fe = Frontend(proc, url, http)
@@ -132,12 +125,20 @@ class DynamoSidecar:
 
 @asynccontextmanager
 async def dynamo_sidecar(
-    tmp_path: Path, engine_address: str, *args: str, name: str = "sidecar"
+    where: Path | Deployment, engine_address: str, *args: str, name: str = "sidecar"
 ) -> AsyncIterator[DynamoSidecar]:
-    """``run --dynamo`` (file discovery in this test's deployment) in front of ``engine_address``."""
-    ready = tmp_path / f"{name}.json"
-    argv = [*loopback_run_args(engine_address), "--ready-file", str(ready), "--dynamo", *args]
-    async with spawn(argv, env=dynamo_env(tmp_path)) as proc:
+    """``run --dynamo`` (on this test's deployment) in front of ``engine_address``."""
+    dep = as_deployment(where)
+    ready = dep.tmp_path / f"{name}.json"
+    argv = [
+        *loopback_run_args(engine_address),
+        "--ready-file",
+        str(ready),
+        "--dynamo",
+        *dep.sidecar_args(),
+        *args,
+    ]
+    async with spawn(argv, env=dep.env()) as proc:
         m = await proc.wait_for_line(SIDECAR_READY, timeout=30)
 
         async def written() -> bool:

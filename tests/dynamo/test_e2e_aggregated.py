@@ -2,8 +2,9 @@
 
 One deployment per test (frontend + sidecar + engine take seconds to start), several checks
 per test: /v1/models, completions and chat (streaming and not) carry the engine's tokens —
-the same text the sidecar's WebSocket plane relays for the same token ids — and a client
-that disconnects mid-stream makes the engine see its stream closed and an Abort.
+the same text the sidecar's WebSocket plane relays for the same token ids. On etcd discovery,
+the tcp request plane and the zmq event plane; every plane combination, and a client that
+disconnects mid-stream, in ``test_e2e_planes.py``.
 """
 
 from __future__ import annotations
@@ -11,26 +12,36 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import trio
 
-from tests.dynamo.e2e import MODEL, dynamo_sidecar, encode, frontend, require_dynamo, tokenizer_dir, ws_text
+from tests.dynamo.e2e import (
+    MODEL,
+    Deployment,
+    dynamo_sidecar,
+    encode,
+    frontend,
+    require_dynamo,
+    tokenizer_dir,
+    ws_text,
+)
 from tests.e2e.harness import mock_engine, wait_engine_idle
 
 require_dynamo()
 pytestmark = pytest.mark.slow
 
 
-async def test_aggregated_worker_through_dynamo(aio_loop: Any, tmp_path: Path) -> None:
+async def test_aggregated_worker_through_dynamo(
+    aio_loop: Any, tmp_path: Path, etcd_deployment: Deployment
+) -> None:
     tok = tokenizer_dir(tmp_path)
     with trio.fail_after(120):
         async with (
             mock_engine(
                 tmp_path, "--flavor", "vllm", "--tokenizer-source", str(tok), "--alias", "mock-alias"
             ) as engine,
-            dynamo_sidecar(tmp_path, engine.address) as sc,
-            frontend(tmp_path) as fe,
+            dynamo_sidecar(etcd_deployment, engine.address) as sc,
+            frontend(etcd_deployment) as fe,
         ):
             assert sc.bound["dynamo"] == "dynamo.backend.generate"
             await fe.wait_models(MODEL, "mock-alias")
@@ -76,40 +87,3 @@ async def test_aggregated_worker_through_dynamo(aio_loop: Any, tmp_path: Path) -
             counters = await wait_engine_idle(engine.address)
             assert counters["aborts_received"] == 0, counters  # completed streams are never aborted
             assert counters["requests_completed"] == counters["requests_accepted"]
-
-
-async def test_client_disconnect_aborts_on_the_engine(aio_loop: Any, tmp_path: Path) -> None:
-    tok = tokenizer_dir(tmp_path)
-    with trio.fail_after(120):
-        async with (
-            mock_engine(
-                tmp_path, "--flavor", "vllm", "--tokenizer-source", str(tok), "--token-delay-ms", "20"
-            ) as engine,
-            dynamo_sidecar(tmp_path, engine.address) as sc,
-            frontend(tmp_path) as fe,
-        ):
-            await fe.wait_models(MODEL)
-            body = {
-                "model": MODEL,
-                "prompt": "a long one",
-                "max_tokens": 2000,
-                "ignore_eos": True,
-                "stream": True,
-            }
-            async with httpx.AsyncClient(base_url=fe.url, timeout=30) as http:
-                async with http.stream("POST", "/v1/completions", json=body) as resp:
-                    assert resp.status_code == 200
-                    seen = 0
-                    async for line in resp.aiter_lines():
-                        if line.startswith("data: "):
-                            seen += 1
-                            if seen == 5:
-                                break  # leaving closes the connection mid-stream
-            counters = await wait_engine_idle(engine.address, timeout=20)
-            assert counters["requests_accepted"] == 1
-            assert counters["aborts_received"] == 1, counters  # the engine saw the Abort …
-            assert counters["requests_leaked"] == 0 and counters["requests_completed"] == 0
-            assert counters["requests_aborted"] + counters["orphans_aborted"] == 1  # … and the stream end
-            async with httpx.AsyncClient() as http:
-                sidecar_metrics = (await http.get(sc.http + "/metrics")).text
-            assert 'openengine_sidecar_dynamo_requests_total{outcome="cancelled"} 1.0' in sidecar_metrics

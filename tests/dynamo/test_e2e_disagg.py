@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import trio
 
-from tests.dynamo.e2e import MODEL, dynamo_sidecar, frontend, require_dynamo, tokenizer_dir
+from tests.dynamo.e2e import MODEL, Deployment, dynamo_sidecar, frontend, require_dynamo, tokenizer_dir
 from tests.e2e.harness import mock_engine, wait_engine_idle
 
 require_dynamo()
@@ -24,7 +24,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("flavor", ["vllm", "sglang"])
-async def test_prefill_decode_pair_serves_through_dynamo(aio_loop: Any, tmp_path: Path, flavor: str) -> None:
+async def test_prefill_decode_pair_serves_through_dynamo(
+    aio_loop: Any, tmp_path: Path, etcd_deployment: Deployment, flavor: str
+) -> None:
     """vLLM: context-first handoff (the prefill's KvSessionRef bytes travel in
     ``disaggregated_params``); SGLang: client bootstrap (the prefill sidecar registers the
     engine's bootstrap endpoint; Dynamo's ``bootstrap_info`` reaches both sides)."""
@@ -34,9 +36,9 @@ async def test_prefill_decode_pair_serves_through_dynamo(aio_loop: Any, tmp_path
         async with (
             mock_engine(tmp_path, *common, "--role", "prefill", name="prefill") as prefill,
             mock_engine(tmp_path, *common, "--role", "decode", name="decode") as decode,
-            dynamo_sidecar(tmp_path, prefill.address, name="sp") as sp,
-            dynamo_sidecar(tmp_path, decode.address, name="sd") as sd,
-            frontend(tmp_path) as fe,
+            dynamo_sidecar(etcd_deployment, prefill.address, name="sp") as sp,
+            dynamo_sidecar(etcd_deployment, decode.address, name="sd") as sd,
+            frontend(etcd_deployment) as fe,
         ):
             assert sp.bound["dynamo"] == "dynamo.prefill.generate"
             assert sd.bound["dynamo"] == "dynamo.backend.generate"

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import trio
 
-from tests.dynamo.e2e import MODEL, dynamo_sidecar, frontend, require_dynamo, tokenizer_dir
+from tests.dynamo.e2e import MODEL, Deployment, dynamo_sidecar, frontend, require_dynamo, tokenizer_dir
 from tests.e2e.harness import engine_counters, mock_engine, wait_engine_idle
 
 require_dynamo()
@@ -27,16 +27,18 @@ pytestmark = pytest.mark.slow
 TOKENS = 40
 
 
-async def test_sigterm_during_load_loses_no_request(aio_loop: Any, tmp_path: Path) -> None:
+async def test_sigterm_during_load_loses_no_request(
+    aio_loop: Any, tmp_path: Path, etcd_deployment: Deployment
+) -> None:
     tok = tokenizer_dir(tmp_path)
     common = ["--flavor", "vllm", "--tokenizer-source", str(tok), "--token-delay-ms", "25"]
     with trio.fail_after(150):
         async with (
             mock_engine(tmp_path, *common, name="ea") as ea,
             mock_engine(tmp_path, *common, name="eb") as eb,
-            dynamo_sidecar(tmp_path, ea.address, "--drain-timeout", "20", name="sa") as sa,
-            dynamo_sidecar(tmp_path, eb.address, name="sb"),
-            frontend(tmp_path) as fe,
+            dynamo_sidecar(etcd_deployment, ea.address, "--drain-timeout", "20", name="sa") as sa,
+            dynamo_sidecar(etcd_deployment, eb.address, name="sb"),
+            frontend(etcd_deployment) as fe,
         ):
             await fe.wait_models(MODEL)
             results: list[tuple[str, str, int]] = []

@@ -1,7 +1,7 @@
 """Dynamo's KV router sees the engines' cache through the sidecars' KV events.
 
 Two mock engines, each behind ``run --dynamo`` (KV relay on), and a frontend with
-``--router-mode kv``. A long prompt is first cached on one chosen engine *outside Dynamo*
+``--router-mode kv``, on etcd discovery, with the zmq and with the NATS event plane. A long prompt is first cached on one chosen engine *outside Dynamo*
 (through that sidecar's WebSocket plane), so Dynamo can only know about it from the KV
 events: engine → sidecar KV bridge → Dynamo ``KvEventPublisher`` (ZMQ relay) → event plane.
 An independent Dynamo ``KvIndexer`` in the test process, subscribed to the same events as
@@ -19,15 +19,8 @@ import pytest
 import trio
 
 from sidecar.client.sidecar_client import open_sidecar
-from tests.dynamo.e2e import (
-    MODEL,
-    dynamo_env,
-    dynamo_sidecar,
-    encode,
-    frontend,
-    require_dynamo,
-    tokenizer_dir,
-)
+from tests.dynamo.e2e import MODEL, dynamo_sidecar, encode, frontend, require_dynamo, tokenizer_dir
+from tests.dynamo.planes import deployment
 from tests.e2e.harness import engine_counters, eventually, mock_engine
 
 require_dynamo()
@@ -67,27 +60,29 @@ def scores_of(reply: Any) -> dict[int, int]:
     return out
 
 
+@pytest.mark.parametrize("event_plane", ["zmq", "nats"])
 async def test_kv_router_routes_to_the_engine_holding_the_prefix(
-    aio_loop: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    aio_loop: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, event_plane: str
 ) -> None:
     import trio_asyncio
     from dynamo.llm import KvRouter, KvRouterConfig
     from dynamo.runtime import DistributedRuntime
 
-    for key, value in dynamo_env(tmp_path).items():
-        monkeypatch.setenv(key, value)  # this process joins the deployment as an observer
     tok = tokenizer_dir(tmp_path)
     engine_args = ["--flavor", "vllm", "--tokenizer-source", str(tok)]
     with trio.fail_after(150):
         async with (
+            deployment(tmp_path, "tcp", event_plane) as dep,
             mock_engine(tmp_path, *engine_args, name="e0") as e0,
             mock_engine(tmp_path, *engine_args, name="e1") as e1,
-            dynamo_sidecar(tmp_path, e0.address, name="s0") as s0,
-            dynamo_sidecar(tmp_path, e1.address, name="s1") as s1,
-            frontend(tmp_path, "--router-mode", "kv") as fe,
+            dynamo_sidecar(dep, e0.address, name="s0") as s0,
+            dynamo_sidecar(dep, e1.address, name="s1") as s1,
+            frontend(dep, "--router-mode", "kv") as fe,
         ):
+            for key, value in dep.env().items():
+                monkeypatch.setenv(key, value)  # this process joins the deployment as an observer
             await fe.wait_models(MODEL)
-            runtime = DistributedRuntime(aio_loop, "file", "tcp", event_plane="zmq")
+            runtime = DistributedRuntime(aio_loop, dep.discovery, dep.request_plane, event_plane=event_plane)
             try:
                 # an independent KV router fed by the same KV events as the frontend's (queried only)
                 endpoint = runtime.endpoint("dynamo.backend.generate")
