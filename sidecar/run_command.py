@@ -37,7 +37,8 @@ from sidecar.dynamo.options import dynamo_config, dynamo_options
 from sidecar.dynamo.plane import leave_before_drain, start_dynamo_plane
 from sidecar.kvbridge import KvBridgeConfig, KvConfigError, KvSourceError, run_kv_bridge
 from sidecar.kvbridge.options import kv_bridge_config, kv_bridge_options
-from sidecar.north.http import build_app, serve_http
+from sidecar.north.http import build_app
+from sidecar.north.http_server import HttpLimits, serve_http
 from sidecar.north.ws_server import WS_PATH, NorthPlane, WsConfig
 from sidecar.openengine.client import open_engine_client
 from sidecar.openengine.errors import EngineConfigError
@@ -63,6 +64,7 @@ async def serve(
     kv: KvBridgeConfig | None = None,
     tls: tuple[str, str] | None = None,
     open_probes: bool = True,
+    http_limits: HttpLimits | None = None,
     dynamo: DynamoConfig | None = None,
     task_status: Any = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -87,8 +89,9 @@ async def serve(
                 await root.start(sidecar.poll_load)
                 cert, key = tls if tls else (None, None)
                 app = build_app(sidecar, auth_token=ws.auth_token, open_probes=open_probes)
+                limits = replace(http_limits or HttpLimits(), handshake_timeout=ws.handshake_timeout)
                 http_port = await root.start(
-                    partial(serve_http, certfile=cert, keyfile=key), app, http_listen
+                    partial(serve_http, certfile=cert, keyfile=key, limits=limits), app, http_listen
                 )
                 north = NorthPlane(sidecar, ws, ssl_context=_server_ssl_context(tls) if tls else None)
                 ws_port = await root.start(north.serve, listen[0], listen[1])
@@ -181,6 +184,20 @@ async def _drain_on_signal(sidecar: Sidecar, signals: Any) -> None:
 @option("--engine", required=True, help="Engine address: host:port, http://host:port or unix:///path.")
 @option("--listen", default="127.0.0.1:8600", show_default=True, help="WebSocket listener (north protocol).")
 @option("--http-listen", default="127.0.0.1:8601", show_default=True, help="HTTP health/ready/metrics.")
+@option(
+    "--http-idle-timeout",
+    type=click.FloatRange(min=0.1),
+    default=5.0,
+    show_default=True,
+    help="Close an HTTP connection without a complete request for this long (idle or slow headers).",
+)
+@option(
+    "--http-max-header-bytes",
+    type=click.IntRange(min=1024),
+    default=16 * 1024,
+    show_default=True,
+    help="Largest HTTP request line + headers; larger requests get 400.",
+)
 @option("--model", default=None, help="Serve only this model (served name or alias).")
 @option("--expected-engine", default=None, help="Refuse to start unless the engine reports this name.")
 @option(
@@ -327,6 +344,9 @@ def run(**opts: Any) -> None:
                 kv=kv,
                 tls=tls,
                 open_probes=opts["open_probes"],
+                http_limits=HttpLimits(
+                    idle_timeout=opts["http_idle_timeout"], max_header_bytes=opts["http_max_header_bytes"]
+                ),
                 dynamo=dynamo,
             )
         )

@@ -87,3 +87,11 @@ def child(metric: Any, *values: str) -> Any:
     if found is None:
         found = _children[key] = metric.labels(*values)
     return found
+
+
+HTTP_FAILURES = Counter(
+    "openengine_sidecar_http_failures",
+    "HTTP listener failures, by level: a connection closed on an error, or the listener restarted.",
+    ["level"],
+    registry=REGISTRY,
+)

@@ -1,19 +1,18 @@
 """HTTP endpoints: ``/health``, ``/ready``, ``/metrics``, ``/v1/worker``, ``/v1/load``.
 
-A Starlette app served by hypercorn's trio worker inside the sidecar's nursery; no
-hand-written HTTP. ``/health`` is liveness (the process and its event loop answer);
-``/ready`` is 200 only when negotiated, discovered, engine healthy and not draining.
+A Starlette app, served by :func:`sidecar.north.http_server.serve_http` (hypercorn's trio
+worker inside the sidecar's nursery; no hand-written HTTP). ``/health`` is liveness (the
+process and its event loop answer); ``/ready`` is 200 only when negotiated, discovered,
+engine healthy and not draining. Paths are exact: ``/metrics/`` is 404, never a redirect
+(Starlette's would point at whatever ``Host`` the client sent).
 """
 
 from __future__ import annotations
 
-import hmac
 from typing import Any, Protocol
 
 import msgspec
 import trio
-from hypercorn.config import Config
-from hypercorn.trio import serve
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -21,6 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from sidecar.metrics import REGISTRY
+from sidecar.north.auth import bearer_matches
 
 _json = msgspec.json.Encoder()
 
@@ -44,16 +44,15 @@ def _json_response(body: Any, status: int = 200) -> Response:
 
 def build_app(host: HttpHost, *, auth_token: str | None = None, open_probes: bool = True) -> Starlette:
     """The ASGI app. With ``auth_token``, every route (probes too unless ``open_probes``)
-    requires ``Authorization: Bearer <token>`` (401 without detail otherwise)."""
-    expected = f"Bearer {auth_token}".encode() if auth_token else None
+    requires ``Authorization: Bearer <token>`` (scheme in any case; 401 without detail otherwise)."""
 
     def guarded(fn: Any, *, probe: bool = False) -> Any:
-        if expected is None or (probe and open_probes):
+        if auth_token is None or (probe and open_probes):
             return fn
+        token = auth_token
 
         async def check(request: Request) -> Response:
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
+            if not bearer_matches(request.headers.get("authorization"), token):
                 return Response(status_code=401)
             return await fn(request)
 
@@ -80,7 +79,7 @@ def build_app(host: HttpHost, *, auth_token: str | None = None, open_probes: boo
     async def load(request: Request) -> Response:
         return _json_response(host.load.status(now=trio.current_time()))
 
-    return Starlette(
+    app = Starlette(
         routes=[
             Route("/health", guarded(health, probe=True)),
             Route("/ready", guarded(ready, probe=True)),
@@ -89,28 +88,5 @@ def build_app(host: HttpHost, *, auth_token: str | None = None, open_probes: boo
             Route("/v1/load", guarded(load)),
         ]
     )
-
-
-async def serve_http(
-    app: Starlette,
-    bind: str,
-    *,
-    certfile: str | None = None,
-    keyfile: str | None = None,
-    task_status: Any = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Serve ``app`` on ``bind`` (``host:port``) until cancelled; ``task_status.started(port)``."""
-    config = Config()
-    config.bind = [bind]
-    config.accesslog = None
-    config.errorlog = None
-    config.graceful_timeout = 1.0
-    if certfile:
-        config.certfile, config.keyfile = certfile, keyfile
-
-    async def run(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        await serve(app, config, task_status=task_status)  # type: ignore[arg-type]
-
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(run)
-        task_status.started(int(str(binds[0]).rsplit(":", 1)[1]))
+    app.router.redirect_slashes = False  # a redirect would name the client-supplied Host
+    return app

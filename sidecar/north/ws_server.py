@@ -29,6 +29,7 @@ from sidecar.core.lifecycle import (
     StreamHandle,
 )
 from sidecar.north import codec, ws_adapter
+from sidecar.north.auth import bearer_matches
 from sidecar.north.codec import Encoding
 from sidecar.north.ws_batch import BatchWriter
 from sidecar.openengine import pb
@@ -404,10 +405,7 @@ def _opted_in(path: str) -> bool:
 
 
 def _authorized(request: WebSocketRequest, token: str) -> bool:
-    import hmac
-
-    expected = f"Bearer {token}".encode()
     for name, value in request.headers:
         if name.lower() == b"authorization":
-            return hmac.compare_digest(value, expected)
+            return bearer_matches(value, token)
     return False

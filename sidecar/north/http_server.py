@@ -1,0 +1,199 @@
+"""The HTTP listener (probes, metrics, worker card): hypercorn's trio worker, hardened.
+
+What this adds to a plain ``hypercorn.trio.serve`` (docs/SECURITY.md "HTTP listener"):
+
+- **HTTP/1.1 only.** HTTP/2 is off: no ``h2`` in TLS ALPN, an ``Upgrade: h2c`` header is
+  ignored (the request is answered in HTTP/1.1, as RFC 9110 §7.8 allows), and a connection
+  opening with the HTTP/2 prior-knowledge preface is closed. Hypercorn's HTTP/2 code raised
+  ``KeyError`` when a request body arrived after its response (upstream bug, open), which
+  ended the whole process; probes and scrapers speak HTTP/1.1 anyway.
+- **A failing connection never takes the listener down**: an exception from the protocol
+  code of one connection is logged, counted (``openengine_sidecar_http_failures_total
+  {level="connection"}``) and that connection closed. Should the listener itself fail, it is
+  logged, counted (``level="listener"``) and restarted on the same, still-bound socket
+  (connections wait in the backlog meanwhile); nothing propagates to the sidecar's nursery.
+- Limits: TLS handshake timeout (equal to the WebSocket listener's), idle/slow-header
+  timeout, request line + header bytes.
+
+Hypercorn offers no switch for HTTP/2 cleartext nor a per-connection error boundary, so its
+trio connection handler is given our protocol wrapper (:func:`_install`, idempotent; only
+the sidecar's listener runs hypercorn in this process). ``tests/north/test_http_server.py``
+pins that behaviour against the locked hypercorn version.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import h11
+import hypercorn.trio.tcp_server
+import trio
+from hypercorn.config import Config, Sockets
+from hypercorn.events import Closed, Event
+from hypercorn.protocol import ProtocolWrapper
+from hypercorn.protocol.h11 import H2ProtocolAssumedError, H11Protocol
+from hypercorn.trio.run import worker_serve
+from hypercorn.utils import wrap_app
+
+from sidecar.core.metrics import HTTP_FAILURES
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """Limits of the HTTP listener (CLI: ``--http-idle-timeout``, ``--http-max-header-bytes``;
+    the TLS handshake timeout is the WebSocket listener's)."""
+
+    #: A TLS client that has not finished its handshake by then is disconnected.
+    handshake_timeout: float = 10.0
+    #: A connection with no complete request for this long is closed (idle keep-alive
+    #: connections, and slowloris clients trickling a request line or headers).
+    idle_timeout: float = 5.0
+    #: Requests whose headers are larger than this are refused (431) and the connection closed.
+    max_header_bytes: int = 16 * 1024
+    #: Pause before a failed listener is started again.
+    restart_delay: float = 0.5
+
+
+class _Http11Only(H11Protocol):
+    """HTTP/1.1 without its two ways into HTTP/2."""
+
+    async def _check_protocol(self, event: h11.Request) -> None:
+        if event.method == b"PRI" and event.target == b"*" and event.http_version == b"2.0":
+            raise H2ProtocolAssumedError(b"")  # refused by _GuardedProtocol
+        # ``Upgrade: h2c`` is not acted on: the request is served over HTTP/1.1
+
+
+class _GuardedProtocol(ProtocolWrapper):
+    """One connection's protocol: HTTP/1.1 only; an exception closes this connection only."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.protocol = _Http11Only(
+            self.app,
+            self.config,
+            self.context,
+            self.task_group,
+            self.state,
+            self.ssl,
+            self.client,
+            self.server,
+            self.send,
+        )
+
+    async def handle(self, event: Event) -> None:
+        try:
+            await self.protocol.handle(event)
+        except H2ProtocolAssumedError:
+            log.debug("HTTP/2 prior-knowledge connection from %s refused", self.client)
+            await self.send(Closed())
+        except Exception as exc:
+            HTTP_FAILURES.labels("connection").inc()
+            log.warning(
+                "HTTP connection from %s failed (%s); closed",
+                self.client,
+                _describe(exc),
+                exc_info=log.isEnabledFor(logging.DEBUG),
+            )
+            if not isinstance(event, Closed):
+                await self.send(Closed())
+
+
+def _limit_headers(app: Any, max_bytes: int) -> Any:
+    """ASGI middleware: 431 for a request whose headers (as sent: ``name: value\\r\\n``) exceed ``max_bytes``.
+
+    (h11's own bound only applies to a request still incomplete after one socket read.)
+    """
+
+    async def limited(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and sum(len(k) + len(v) + 4 for k, v in scope["headers"]) > max_bytes:
+            await send({"type": "http.response.start", "status": 431, "headers": [(b"connection", b"close")]})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        await app(scope, receive, send)
+
+    return limited
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message`` of the first leaf of a (possibly nested) exception group."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {str(exc)[:200]!r}"  # repr: no control characters in the log
+
+
+def _install() -> None:
+    hypercorn.trio.tcp_server.ProtocolWrapper = _GuardedProtocol  # type: ignore[misc]
+
+
+def _config(bind: str, certfile: str | None, keyfile: str | None, limits: HttpLimits) -> Config:
+    config = Config()
+    config.bind = [bind]
+    config.accesslog = None
+    config.errorlog = None
+    config.graceful_timeout = 1.0
+    config.alpn_protocols = ["http/1.1"]
+    config.ssl_handshake_timeout = limits.handshake_timeout
+    config.keep_alive_timeout = limits.idle_timeout
+    config.h11_max_incomplete_size = limits.max_header_bytes
+    if certfile:
+        config.certfile, config.keyfile = certfile, keyfile
+    return config
+
+
+async def serve_http(
+    app: Any,
+    bind: str,
+    *,
+    certfile: str | None = None,
+    keyfile: str | None = None,
+    limits: HttpLimits | None = None,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the ASGI ``app`` on ``bind`` (``host:port``) until cancelled; ``task_status.started(port)``.
+
+    The socket is bound once (an ``OSError`` if it cannot be, before reporting) and kept
+    across listener restarts (each run of hypercorn gets a duplicate of it). Never raises after reporting, except ``Cancelled``.
+    """
+    _install()
+    limits = limits or HttpLimits()
+    config = _config(bind, certfile, keyfile, limits)
+    sockets = config.create_sockets()
+    listening: list[socket.socket] = [*sockets.secure_sockets, *sockets.insecure_sockets]
+    try:
+        for sock in listening:
+            sock.listen(config.backlog)
+        port = int(listening[0].getsockname()[1])
+        asgi = wrap_app(_limit_headers(app, limits.max_header_bytes), config.wsgi_max_body_size, "asgi")
+        started = False
+        while True:
+            try:
+                # hypercorn closes the sockets it served on: give it duplicates, keep the originals
+                run = Sockets(
+                    [s.dup() for s in sockets.secure_sockets], [s.dup() for s in sockets.insecure_sockets], []
+                )
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(partial(worker_serve, asgi, config, sockets=run))
+                    if not started:
+                        task_status.started(port)
+                        started = True
+                return  # hypercorn only returns once shut down
+            except Exception as exc:
+                if not started:
+                    raise
+                HTTP_FAILURES.labels("listener").inc()
+                log.error(
+                    "HTTP listener on port %d failed (%s); restarting",
+                    port,
+                    _describe(exc),
+                    exc_info=log.isEnabledFor(logging.DEBUG),
+                )
+            await trio.sleep(limits.restart_delay)
+    finally:
+        for sock in listening:
+            sock.close()

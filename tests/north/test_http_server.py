@@ -1,0 +1,256 @@
+"""The HTTP listener in process, on real loopback sockets: HTTP/1.1 only, one failing
+connection or listener never ends the server, no redirect to a client's Host, bounded
+handshakes / slow headers / header size, the Bearer scheme in any case (docs/SECURITY.md)."""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import h2.config
+import h2.connection
+import h2.events
+import httpx
+import hypercorn.trio.tcp_server
+import pytest
+import trio
+import trustme
+
+from sidecar.core.metrics import HTTP_FAILURES
+from sidecar.north import http_server
+from sidecar.north.auth import bearer_matches
+from sidecar.north.http import build_app
+from sidecar.north.http_server import HttpLimits, serve_http
+
+
+class _Host:
+    """The part of the core the HTTP app reads: always ready."""
+
+    draining = False
+    load = None
+
+    def not_ready_reason(self) -> str | None:
+        return None
+
+    def current_card(self) -> Any:
+        return {"card": True}
+
+
+def failures(level: str) -> float:
+    return HTTP_FAILURES.labels(level)._value.get()
+
+
+@asynccontextmanager
+async def listener(
+    limits: HttpLimits | None = None, token: str | None = None, **tls: Any
+) -> AsyncIterator[int]:
+    app = build_app(_Host(), auth_token=token, open_probes=False)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(partial(serve_http, app, "127.0.0.1:0", limits=limits, **tls))
+        yield port
+        nursery.cancel_scope.cancel()
+
+
+async def get(port: int, path: str = "/health", **kw: Any) -> httpx.Response:
+    async with httpx.AsyncClient() as client:
+        return await client.get(f"http://127.0.0.1:{port}{path}", timeout=5, **kw)
+
+
+async def raw_exchange(port: int, data: bytes, *, wait: float = 5) -> bytes:
+    """Send ``data`` on a fresh connection; everything the server sends until it closes (or ``wait``)."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    out = b""
+    async with stream:
+        await stream.send_all(data)
+        with trio.move_on_after(wait):
+            while chunk := await stream.receive_some(65536):
+                out += chunk
+    return out
+
+
+async def closed_after(port: int, data: bytes, limit: float) -> float:
+    """Seconds until the server closes a connection that sent ``data`` (fails past ``limit``)."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    start = trio.current_time()
+    async with stream:
+        await stream.send_all(data)
+        with trio.fail_after(limit):
+            while await stream.receive_some(65536):
+                pass
+    return trio.current_time() - start
+
+
+async def test_http2_prior_knowledge_refused_upgrade_ignored_http11_served() -> None:
+    """HTTP/2 is off on this port: the decision docs/SECURITY.md explains."""
+    with trio.fail_after(20):
+        async with listener() as port:
+            # prior knowledge: the connection is closed, nothing is answered in HTTP/2
+            conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+            conn.initiate_connection()
+            conn.send_headers(
+                1,
+                [(":method", "GET"), (":path", "/health"), (":scheme", "http"), (":authority", "x")],
+                end_stream=True,
+            )
+            reply = await raw_exchange(port, conn.data_to_send())
+            events = (
+                h2.connection.H2Connection(h2.config.H2Configuration(client_side=True)).receive_data(reply)
+                if reply.startswith(b"\x00")
+                else []
+            )
+            assert not any(isinstance(e, h2.events.ResponseReceived) for e in events)
+            assert b"HTTP/1.1 200" not in reply
+            # Upgrade: h2c is not acted on: a plain HTTP/1.1 answer, no 101
+            reply = await raw_exchange(
+                port,
+                b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+                b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\nConnection: close\r\n\r\n",
+            )
+            assert reply.startswith(b"HTTP/1.1 200"), reply[:80]
+            assert b"101" not in reply.split(b"\r\n", 1)[0]
+            # and HTTP/1.1 keeps working on the same listener
+            assert (await get(port)).status_code == 200
+
+
+async def test_tls_offers_http11_only_and_handshake_is_bounded(tmp_path: Path) -> None:
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    certfile, keyfile = tmp_path / "c.pem", tmp_path / "k.pem"
+    cert.cert_chain_pems[0].write_to_path(str(certfile))
+    cert.private_key_pem.write_to_path(str(keyfile))
+    client_ctx = ssl.create_default_context()
+    ca.configure_trust(client_ctx)
+    client_ctx.set_alpn_protocols(["h2", "http/1.1"])
+    limits = HttpLimits(handshake_timeout=0.5)
+    with trio.fail_after(20):
+        async with listener(limits, certfile=str(certfile), keyfile=str(keyfile)) as port:
+            tcp = await trio.open_tcp_stream("127.0.0.1", port)
+            tls = trio.SSLStream(tcp, client_ctx, server_hostname="127.0.0.1")
+            async with tls:
+                await tls.do_handshake()
+                assert tls.selected_alpn_protocol() == "http/1.1"
+            # a client that never starts its handshake is cut off after handshake_timeout
+            assert await closed_after(port, b"", limit=5) < 3
+
+
+async def test_failing_connection_is_closed_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception in one connection's protocol code (e.g. hypercorn's HTTP/2 KeyError)
+    closes that connection, is counted, and touches nothing else."""
+    original = http_server._Http11Only._check_protocol
+
+    async def boom(self: Any, event: Any) -> None:
+        if event.target == b"/boom":
+            raise KeyError(1)
+        await original(self, event)
+
+    monkeypatch.setattr(http_server._Http11Only, "_check_protocol", boom)
+    conn0, listener0 = failures("connection"), failures("listener")
+    with trio.fail_after(20):
+        async with listener() as port:
+            async with httpx.AsyncClient() as keep:  # a keep-alive connection opened before
+                assert (await keep.get(f"http://127.0.0.1:{port}/health")).status_code == 200
+                assert await raw_exchange(port, b"GET /boom HTTP/1.1\r\nHost: x\r\n\r\n") == b""
+                assert (await keep.get(f"http://127.0.0.1:{port}/ready")).status_code == 200
+            assert (await get(port)).status_code == 200
+    assert failures("connection") == conn0 + 1
+    assert failures("listener") == listener0
+
+
+async def test_failed_listener_is_restarted_on_the_same_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure outside any connection's protocol (it propagates out of hypercorn's worker)
+    restarts the listener; the bound socket is kept, so later clients are served."""
+    original = hypercorn.trio.tcp_server.TCPServer.run
+    crashes = [1]
+
+    async def run(self: Any) -> None:
+        if crashes:
+            crashes.pop()
+            raise RuntimeError("injected listener failure")
+        await original(self)
+
+    monkeypatch.setattr(hypercorn.trio.tcp_server.TCPServer, "run", run)
+    before = failures("listener")
+    with trio.fail_after(20):
+        async with listener(HttpLimits(restart_delay=0.05)) as port:
+            with pytest.raises(httpx.TransportError):
+                await get(port)
+            assert (await get(port)).status_code == 200
+    assert failures("listener") == before + 1
+
+
+async def test_no_redirect_to_a_client_supplied_host() -> None:
+    with trio.fail_after(20):
+        async with listener() as port:
+            for path in ("/metrics/", "/health/", "/v1/worker/"):
+                r = await get(port, path, headers={"host": "evil.example"})
+                assert r.status_code == 404, path
+                assert "location" not in r.headers
+            assert (await get(port, "/metrics")).status_code == 200
+
+
+def test_bearer_scheme_is_case_insensitive_token_is_not() -> None:
+    for header in ("Bearer tok", "bearer tok", "BEARER tok", "  Bearer   tok ", b"bEaReR tok"):
+        assert bearer_matches(header, "tok"), header
+    for header in (None, "", "tok", "Bearer", "Bearer TOK", "Bearer tokx", "Basic tok", "Bearertok"):
+        assert not bearer_matches(header, "tok"), header
+
+
+async def test_bearer_in_any_case_on_http() -> None:
+    with trio.fail_after(20):
+        async with listener(token="s3cret") as port:
+            assert (await get(port, "/metrics")).status_code == 401
+            for scheme in ("Bearer", "bearer", "BEARER"):
+                r = await get(port, "/metrics", headers={"authorization": f"{scheme} s3cret"})
+                assert r.status_code == 200, scheme
+            r = await get(port, "/metrics", headers={"authorization": "bearer S3CRET"})
+            assert r.status_code == 401
+
+
+async def test_slow_headers_idle_and_oversized_headers_are_cut_off() -> None:
+    limits = HttpLimits(idle_timeout=0.5, max_header_bytes=4096)
+    with trio.fail_after(30):
+        async with listener(limits) as port:
+            lasted: list[float] = []
+
+            async def slowloris() -> None:
+                stream = await trio.open_tcp_stream("127.0.0.1", port)
+                start = trio.current_time()
+                async with stream:
+                    await stream.send_all(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+                    try:
+                        for _ in range(50):  # one header line every 0.1 s: never complete
+                            await stream.send_all(b"X-Slow: 1\r\n")
+                            with trio.move_on_after(0.1):
+                                if not await stream.receive_some(1024):
+                                    break
+                    except trio.BrokenResourceError:
+                        pass
+                lasted.append(trio.current_time() - start)
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(20):
+                    nursery.start_soon(slowloris)
+                # meanwhile a normal client is served at once
+                start = trio.current_time()
+                assert (await get(port)).status_code == 200
+                assert trio.current_time() - start < 1
+            assert len(lasted) == 20 and max(lasted) < 3, lasted
+            assert await closed_after(port, b"", limit=3) < 3  # idle: same bound
+            pad = b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: a\r\n" * 500
+            assert (await raw_exchange(port, pad + b"\r\n")).startswith(b"HTTP/1.1 431")  # in one read
+            stream = await trio.open_tcp_stream("127.0.0.1", port)  # or trickled past the bound
+            async with stream:
+                reply = b""
+                await stream.send_all(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+                with trio.move_on_after(5):
+                    for _ in range(100):
+                        await stream.send_all(b"X-Pad: " + b"a" * 100 + b"\r\n")
+                        with trio.move_on_after(0.01):
+                            reply += await stream.receive_some(65536)
+                        if reply:
+                            break
+                assert reply.startswith(b"HTTP/1.1 431"), reply[:60]
