@@ -21,6 +21,7 @@ from typing import Any, Literal, TypeVar
 import msgspec
 
 from sidecar import __version__
+from sidecar.core.int64 import Int64, Uint64, json_decode, json_encoder, u64
 from sidecar.core.load import LoadSnapshot, LoadStatus, LoadTracker, RankLoad
 from sidecar.core.negotiation import NegotiatedRevision
 from sidecar.openengine import pb
@@ -53,6 +54,7 @@ __all__ = [
     "TokenizerCard",
     "WorkerCard",
     "build_card",
+    "card_from_json",
     "card_to_json",
     "dp_ranks_of",
     "enum_name",
@@ -125,9 +127,9 @@ class SidecarCard(_Card):
 
 class CapacityCard(_Card):
     kv_block_size: int | None
-    total_kv_blocks: int | None
-    max_running_requests: int | None
-    max_batched_tokens: int | None
+    total_kv_blocks: Uint64 | None
+    max_running_requests: Uint64 | None
+    max_batched_tokens: Uint64 | None
     max_loras: int | None
 
 
@@ -190,7 +192,7 @@ class KvEventSourceCard(_Card):
 
 
 class LoraCard(_Card):
-    lora_id: int
+    lora_id: Int64
     lora_name: str
     source_path: str
     #: Served name of the model the adapter applies to (the first LoRA-capable model).
@@ -328,8 +330,14 @@ class WorkerCard(_Card):
 
 
 def card_to_json(card: WorkerCard) -> bytes:
-    """JSON bytes of the card (``GET /v1/worker``)."""
-    return msgspec.json.encode(card)
+    """JSON bytes of the card (``GET /v1/worker``), 64-bit integers as decimal strings."""
+    return json_encoder.encode(card)
+
+
+def card_from_json(data: bytes | str) -> WorkerCard:
+    """The card back from its JSON (``card_to_json``, ``GET /v1/worker``, ``describe``)."""
+    card: WorkerCard = json_decode(data, WorkerCard)
+    return card
 
 
 def dp_ranks_of(parallelism: pb.ParallelismInfo | None) -> list[int]:
@@ -453,7 +461,7 @@ def lora_cards(adapters: Iterable[pb.LoraAdapter], models: Sequence[ModelCard]) 
     """Adapters as card entries, attached to the first model advertising ``supports_lora``."""
     base = next((m.served_model_name for m in models if m.supports_lora is True), None)
     return [
-        LoraCard(lora_id=int(a.lora_id), lora_name=a.lora_name, source_path=a.source_path, base_model=base)
+        LoraCard(lora_id=Int64(a.lora_id), lora_name=a.lora_name, source_path=a.source_path, base_model=base)
         for a in adapters
     ]
 
@@ -550,9 +558,9 @@ def build_card(
         if cap is None
         else CapacityCard(
             kv_block_size=cap.kv_block_size,
-            total_kv_blocks=cap.total_kv_blocks,
-            max_running_requests=cap.max_running_requests,
-            max_batched_tokens=cap.max_batched_tokens,
+            total_kv_blocks=u64(cap.total_kv_blocks),
+            max_running_requests=u64(cap.max_running_requests),
+            max_batched_tokens=u64(cap.max_batched_tokens),
             max_loras=cap.max_loras,
         ),
         parallelism=None

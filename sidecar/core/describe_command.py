@@ -17,7 +17,7 @@ import trio
 import trio_asyncio
 
 from sidecar.cli_options import option
-from sidecar.core.card import EndpointCard, LogprobCard, ModelCard, WorkerCard
+from sidecar.core.card import EndpointCard, LogprobCard, ModelCard, WorkerCard, card_to_json
 from sidecar.core.discovery import discover
 from sidecar.core.errors import DiscoveryError, NegotiationError
 from sidecar.core.negotiation import parse_release
@@ -268,7 +268,7 @@ def describe(
         click.echo(f"describe: {card}", err=True)
         sys.exit(1)
     if as_json:
-        click.echo(msgspec.json.format(msgspec.json.encode(card), indent=2).decode())
+        click.echo(msgspec.json.format(card_to_json(card), indent=2).decode())
     else:
         click.echo(format_card(card))
     if card.problems:

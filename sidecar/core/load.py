@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from sidecar.core.int64 import Uint64, u64
 from sidecar.core.struct_wire import StructWireError, struct_to_dict
 from sidecar.openengine import pb
 from sidecar.openengine.rawfields import WireError, without_field
@@ -82,8 +83,8 @@ class RankLoad(_LoadStruct):
     data_parallel_rank: int | None
     running_requests: int | None
     queued_requests: int | None
-    used_kv_blocks: int | None
-    total_kv_blocks: int | None
+    used_kv_blocks: Uint64 | None
+    total_kv_blocks: Uint64 | None
     prefill_batch_size: int | None
     decode_batch_size: int | None
 
@@ -92,14 +93,14 @@ class LoadSnapshot(_LoadStruct):
     """One ``GetLoad`` answer, presence kept."""
 
     instance_id: str
-    timestamp_unix_nanos: int | None
+    timestamp_unix_nanos: Uint64 | None
     running_requests: int | None
     queued_requests: int | None
     active_kv_sessions: int | None
-    used_kv_blocks: int | None
-    total_kv_blocks: int | None
-    running_tokens: int | None
-    waiting_tokens: int | None
+    used_kv_blocks: Uint64 | None
+    total_kv_blocks: Uint64 | None
+    running_tokens: Uint64 | None
+    waiting_tokens: Uint64 | None
     prefill_batch_size: int | None
     decode_batch_size: int | None
     ranks: list[RankLoad]
@@ -110,14 +111,14 @@ class LoadSnapshot(_LoadStruct):
         """``attributes``: the already converted attributes (default: convert ``info.attributes``)."""
         return cls(
             instance_id=info.instance_id,
-            timestamp_unix_nanos=info.timestamp_unix_nanos,
+            timestamp_unix_nanos=u64(info.timestamp_unix_nanos),
             running_requests=info.running_requests,
             queued_requests=info.queued_requests,
             active_kv_sessions=info.active_kv_sessions,
-            used_kv_blocks=info.used_kv_blocks,
-            total_kv_blocks=info.total_kv_blocks,
-            running_tokens=info.running_tokens,
-            waiting_tokens=info.waiting_tokens,
+            used_kv_blocks=u64(info.used_kv_blocks),
+            total_kv_blocks=u64(info.total_kv_blocks),
+            running_tokens=u64(info.running_tokens),
+            waiting_tokens=u64(info.waiting_tokens),
             prefill_batch_size=info.prefill_batch_size,
             decode_batch_size=info.decode_batch_size,
             ranks=[
@@ -125,8 +126,8 @@ class LoadSnapshot(_LoadStruct):
                     data_parallel_rank=r.data_parallel_rank,
                     running_requests=r.running_requests,
                     queued_requests=r.queued_requests,
-                    used_kv_blocks=r.used_kv_blocks,
-                    total_kv_blocks=r.total_kv_blocks,
+                    used_kv_blocks=u64(r.used_kv_blocks),
+                    total_kv_blocks=u64(r.total_kv_blocks),
                     prefill_batch_size=r.prefill_batch_size,
                     decode_batch_size=r.decode_batch_size,
                 )

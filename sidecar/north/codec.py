@@ -22,6 +22,7 @@ from typing import Any
 import betterproto2
 import msgspec
 
+from sidecar.core import int64
 from sidecar.core.handoff import KvSessionRelease
 from sidecar.north import wire
 from sidecar.north.kvsession import parse_kv_session, splice_kv_session
@@ -304,8 +305,10 @@ def engine_request_bytes(cmd: GenerateCommand) -> bytes:
 
 # --- encoding sidecar -> client (and client -> sidecar) ---------------------------------------------
 
-_json_encode = msgspec.json.Encoder().encode
-_msgpack_encode = msgspec.msgpack.Encoder().encode
+# North answers carry the sidecar's 64-bit Structs fields (sidecar.core.int64): the hook writes
+# them as decimal strings; it is never called for the types of the per-token path.
+_json_encode = int64.json_encoder.encode
+_msgpack_encode = int64.msgpack_encoder.encode
 
 # msgspec's omit_defaults compares floats and strings by identity: zero values must be the very
 # default objects of the wire Structs to be omitted (proto3 JSON omits them).

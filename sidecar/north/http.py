@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-import msgspec
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -19,10 +18,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from sidecar.core import int64
 from sidecar.metrics import REGISTRY
 from sidecar.north.auth import bearer_matches
 
-_json = msgspec.json.Encoder()
+_json = int64.json_encoder  # 64-bit integers as decimal strings (docs/PROTOCOL.md)
 
 
 class HttpHost(Protocol):

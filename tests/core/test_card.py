@@ -5,7 +5,7 @@ import pytest
 
 from sidecar import __version__
 from sidecar.core.card import (
-    WorkerCard,
+    card_from_json,
     card_to_json,
     dp_ranks_of,
     enum_name,
@@ -101,13 +101,62 @@ def test_sglang_shape() -> None:
 def test_json_round_trip(make: object) -> None:
     card = make()  # type: ignore[operator]
     data = card_to_json(card)
-    back = msgspec.json.decode(data, type=WorkerCard)
+    back = card_from_json(data)
     assert back == card
     raw = msgspec.json.decode(data)
     # absent stays null, never a default
     assert "dpRanks" in raw and "problems" in raw and "servedModelNames" in raw
     assert "releaseKind" in raw["schema"]
     assert raw["load"] is None
+
+
+def test_64_bit_fields_are_decimal_strings_in_json_and_msgpack() -> None:
+    """proto3 JSON (docs/PROTOCOL.md): uint64 / int64 travel as strings, exact beyond 2^53."""
+    from sidecar.core.int64 import msgpack_encoder
+    from sidecar.core.load import LoadTracker
+
+    info, models = vllm_info()
+    assert info.capacity is not None
+    big = 2**64 - 1
+    info.capacity.total_kv_blocks = big
+    info.capacity.max_running_requests = 2**53 + 1
+    info.capacity.max_batched_tokens = 8192
+    card = card_of((info, models), loras=[pb.LoraAdapter(lora_id=2**62, lora_name="a", source_path="/a")])
+    tracker = LoadTracker()
+    tracker.record(
+        pb.LoadInfo(
+            timestamp_unix_nanos=1_700_000_000_123_456_789,
+            used_kv_blocks=2**60,
+            total_kv_blocks=big,
+            running_tokens=7,
+            waiting_tokens=0,
+            ranks=[pb.RankLoadInfo(data_parallel_rank=0, used_kv_blocks=5, total_kv_blocks=big)],
+        ),
+        now=1.0,
+    )
+    card = msgspec.structs.replace(card, load=tracker.status(now=1.0))
+    for raw in (
+        msgspec.json.decode(card_to_json(card)),
+        msgspec.msgpack.decode(msgpack_encoder.encode(card)),
+    ):
+        cap = raw["capacity"]
+        assert (cap["totalKvBlocks"], cap["maxRunningRequests"], cap["maxBatchedTokens"]) == (
+            str(big),
+            str(2**53 + 1),
+            "8192",
+        )
+        assert cap["kvBlockSize"] == 16  # 32-bit: a number
+        assert raw["loraAdapters"][0]["loraId"] == str(2**62)
+        snap = raw["load"]["snapshot"]
+        assert snap["timestampUnixNanos"] == "1700000000123456789"
+        assert (snap["usedKvBlocks"], snap["totalKvBlocks"]) == (str(2**60), str(big))
+        assert (snap["runningTokens"], snap["waitingTokens"]) == ("7", "0")
+        assert snap["ranks"][0]["usedKvBlocks"] == "5" and snap["ranks"][0]["totalKvBlocks"] == str(big)
+        assert snap["ranks"][0]["dataParallelRank"] == 0
+    back = card_from_json(card_to_json(card))
+    assert back == card and back.capacity is not None and back.capacity.total_kv_blocks == big
+    with pytest.raises(TypeError):  # an encoder without the hook fails loudly, never sends a number
+        msgspec.json.encode(card)
 
 
 def test_absent_sections_are_null() -> None:

@@ -8,11 +8,10 @@ import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
-import msgspec
 import pytest
 import trio
 
-from sidecar.core.card import WorkerCard
+from sidecar.core.card import card_from_json
 from sidecar.core.describe_command import DescribeFailed, describe_engine, format_card
 from sidecar.openengine import pb
 from tests.openengine.fake_engine import FakeEngine, Gate, RunningServer, Status, status
@@ -143,7 +142,7 @@ async def _cli(*args: str) -> trio.CompletedProcess[bytes]:
 async def test_cli_json_and_table(engine: RunningServer) -> None:
     done = await _cli("--engine", engine.address, "--json")
     assert done.returncode == 0, done.stderr
-    card = msgspec.json.decode(done.stdout, type=WorkerCard)
+    card = card_from_json(done.stdout)
     assert card == vllm_card(dp=2)
     done = await _cli("--engine", engine.address, "--model", "meta-llama/Llama-3.1-8B-Instruct")
     assert done.returncode == 0, done.stderr
@@ -166,7 +165,7 @@ async def test_cli_failures(engine: RunningServer) -> None:
     engine.engine.unary["GetServerInfo"] = lambda r: info2
     done = await _cli("--engine", engine.address, "--json")
     assert done.returncode == 1
-    assert msgspec.json.decode(done.stdout, type=WorkerCard).problems
+    assert card_from_json(done.stdout).problems
     assert b"would not serve this engine" in done.stderr
     done = await _cli("--engine", engine.address, "--expected-schema-release", "main")
     assert done.returncode == 2 and b"not an immutable schema release" in done.stderr

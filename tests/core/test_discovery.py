@@ -1,8 +1,8 @@
 from __future__ import annotations
 
-import msgspec
 import pytest
 
+from sidecar.core.card import card_to_json
 from sidecar.core.discovery import compare_cards, discover
 from sidecar.core.errors import DiscoveryError, NegotiationError
 from sidecar.openengine import pb
@@ -72,7 +72,7 @@ async def test_vllm_discovery_sequence() -> None:
     assert card.kv_event_sources is not None and len(card.kv_event_sources) == 1
     assert card.lora_adapters is not None and card.lora_adapters[0].lora_name == "chat"
     assert "chat" in card.served_model_names
-    msgspec.json.encode(card)
+    card_to_json(card)
 
 
 async def test_kv_sources_unimplemented_and_other_failures_are_unknown() -> None:

@@ -11,13 +11,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import msgspec
 import pytest
 import trio
 import trio_asyncio
 
 from sidecar.core.admission import admit
-from sidecar.core.card import WorkerCard
+from sidecar.core.card import WorkerCard, card_from_json, card_to_json
 from sidecar.core.discovery import compare_cards, discover
 from sidecar.core.errors import NegotiationError, Rejection
 from sidecar.mock.app import ServingInfo, serve_engine
@@ -92,7 +91,7 @@ async def test_discover_every_flavor_and_role(aio_loop: Any, flavor: str, role: 
         )
         if bootstrap and role == "prefill":
             assert kv.bootstrap_endpoint is not None
-    msgspec.json.encode(card)
+    card_to_json(card)
 
 
 async def test_dp_ranks_and_kv_sources(aio_loop: Any) -> None:
@@ -179,6 +178,6 @@ async def test_describe_command_against_mock(aio_loop: Any) -> None:
                 env=env,
             )
     assert done.returncode == 0, done.stderr
-    card = msgspec.json.decode(done.stdout, type=WorkerCard)
+    card = card_from_json(done.stdout)
     assert card.engine.name == "sglang" and card.role == "prefill" and card.problems == []
     assert card.kv_connector is not None and card.kv_connector.bootstrap_endpoint is not None

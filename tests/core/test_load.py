@@ -1,8 +1,6 @@
 from __future__ import annotations
 
-import msgspec
-
-from sidecar.core.card import WorkerCard, card_to_json
+from sidecar.core.card import card_from_json, card_to_json
 from sidecar.core.load import LoadTracker
 from sidecar.openengine import pb
 
@@ -34,4 +32,4 @@ def test_load_tracker() -> None:
     assert s.stale and s.age_s == 3.0 and s.error_count == 3 and s.consecutive_errors == 2
     card = vllm_card()
     card.load = s
-    assert msgspec.json.decode(card_to_json(card), type=WorkerCard).load == s
+    assert card_from_json(card_to_json(card)).load == s
