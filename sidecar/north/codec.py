@@ -51,6 +51,7 @@ __all__ = [
     "error_body",
     "error_reply",
     "event_message",
+    "id_in_use",
     "response_to_wire",
     "result_error",
     "result_ok",
@@ -540,6 +541,17 @@ def result_ok(call: str | int, body: Any) -> wire.Result:
 
 def result_error(call: str | int, error: wire.ErrorBody) -> wire.Result:
     return wire.Result(call=call, ok=False, error=error)
+
+
+def id_in_use(*, stream: str | int | None = None, call: str | int | None = None) -> wire.ProtocolErrorMessage:
+    """The ``protocol_error`` refusing a ``generate`` (``call``) that reuses the id of a stream
+    (call) still open on the connection: it names the id; the open one is not touched, so the
+    client never sees two ``end`` (``result``) messages for one id."""
+    if stream is not None:
+        return wire.ProtocolErrorMessage(
+            message=f"stream {stream!r} is already open: generate refused", stream=stream
+        )
+    return wire.ProtocolErrorMessage(message=f"call {call!r} is still in flight: call refused", call=call)
 
 
 def error_reply(err: ProtocolError) -> wire.End | wire.Result | wire.ProtocolErrorMessage:

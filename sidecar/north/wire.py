@@ -269,10 +269,17 @@ class Result(msgspec.Struct, tag="result", tag_field="type", omit_defaults=True,
     error: ErrorBody | None = None
 
 
-class ProtocolErrorMessage(msgspec.Struct, tag="protocol_error", tag_field="type", kw_only=True):
-    """A frame decoded but was not a valid message (no stream or call id could be attributed)."""
+class ProtocolErrorMessage(
+    msgspec.Struct, tag="protocol_error", tag_field="type", omit_defaults=True, kw_only=True
+):
+    """A frame decoded but was not a valid message (no stream or call id could be attributed),
+    or it reused the id of a stream (call) that is still open: then ``stream`` (``call``) names
+    that id -- the open stream (call) goes on and gets its own ``end`` (``result``); the refused
+    frame gets nothing else."""
 
     message: str
+    stream: Id | None = None
+    call: Id | None = None
 
 
 ServerMessage = Event | Events | End | Result | ProtocolErrorMessage

@@ -143,6 +143,8 @@ class Connection:
         self.out_send, self.out_recv = trio.open_memory_channel[str | bytes](config.out_buffer)
         self.batch = BatchWriter(ws)
         self.streams: dict[str | int, StreamHandle] = {}
+        #: Ids of the calls not answered yet (a call reusing one is refused, see ``id_in_use``).
+        self.calls: set[str | int] = set()
         self.closed = False
         self._scope = trio.CancelScope()
         self._writer_done = trio.Event()
@@ -265,17 +267,34 @@ class Connection:
             except codec.ProtocolError as err:
                 metrics.PROTOCOL_ERRORS.inc()
                 enc = Encoding.JSON if isinstance(frame, str) else Encoding.MSGPACK
-                await self.send_final(codec.encode(codec.error_reply(err), enc))
+                reply: Any = codec.error_reply(err)
+                if err.stream is not None and err.stream in self.streams:
+                    reply = codec.id_in_use(stream=err.stream)  # its end belongs to the open stream
+                elif err.call is not None and err.call in self.calls:
+                    reply = codec.id_in_use(call=err.call)
+                await self.send_final(codec.encode(reply, enc))
                 continue
             if isinstance(cmd, codec.GenerateCommand):
-                await self._generate(cmd, stream_nursery)
+                if cmd.stream in self.streams:
+                    await self._refuse_reused_id(codec.id_in_use(stream=cmd.stream), cmd.encoding)
+                else:
+                    await self._generate(cmd, stream_nursery)
             elif isinstance(cmd, codec.CancelCommand):
                 handle = self.streams.get(cmd.stream)
                 if handle is not None:
                     handle.cancel(OUTCOME_CLIENT_CANCELLED)
                 # cancel of an unknown or finished stream: nothing to do (idempotent, documented)
+            elif cmd.call in self.calls:
+                await self._refuse_reused_id(codec.id_in_use(call=cmd.call), cmd.encoding)
             else:
+                self.calls.add(cmd.call)
                 stream_nursery.start_soon(self._call, cmd)
+
+    async def _refuse_reused_id(self, reply: Any, encoding: Encoding) -> None:
+        """A ``generate`` / ``call`` reusing an open id: ``protocol_error`` naming it (no ``end`` /
+        ``result``, which would look like the open one's)."""
+        metrics.PROTOCOL_ERRORS.inc()
+        await self.send_final(codec.encode(reply, encoding))
 
     async def _reject(self, cmd: codec.GenerateCommand, rejection: Rejection) -> None:
         outcome = Outcome.from_rejection(rejection)
@@ -283,11 +302,6 @@ class Connection:
         await self.send_final(self._end_frame(cmd.stream, outcome, cmd.encoding))
 
     async def _generate(self, cmd: codec.GenerateCommand, nursery: trio.Nursery) -> None:
-        if cmd.stream in self.streams:
-            await self._reject(
-                cmd, Rejection(pb.ErrorCode.INVALID_ARGUMENT, f"stream {cmd.stream!r} is already open")
-            )
-            return
         if len(self.streams) >= self.config.max_streams_per_connection:
             limit = self.config.max_streams_per_connection
             await self._reject(
@@ -340,6 +354,8 @@ class Connection:
             reply = codec.result_error(
                 cmd.call, codec.error_body(rejection.code, rejection.message, rejection.retryable)
             )
+        finally:
+            self.calls.discard(cmd.call)  # answered: the id may be reused (before the client sees it)
         await self.send_final(codec.encode(reply, cmd.encoding))
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 import trio
 from trio_websocket import ConnectionClosed, open_websocket_url
@@ -102,6 +103,10 @@ async def test_admission_rejections_never_reach_the_engine(aio_loop: Any, tmp_pa
 
 
 async def test_duplicate_stream_and_request_ids(aio_loop: Any, tmp_path: Path) -> None:
+    """A ``generate`` reusing an open stream id -- valid or not, JSON or msgpack -- gets a
+    ``protocol_error`` naming the id and nothing else: the open stream goes on and gets the one
+    ``end`` of that id (reused call ids: tests/north/test_ws_ids.py). A duplicate ``requestId`` on
+    a new stream is that stream's ``end rejected``."""
     with trio.fail_after(60):
         async with (
             mock_engine(tmp_path, "--flavor", "vllm", "--token-delay-ms", "50") as engine,
@@ -115,18 +120,30 @@ async def test_duplicate_stream_and_request_ids(aio_loop: Any, tmp_path: Path) -
             }
             await ws.send_message(json.dumps(first))
             await ws.send_message(json.dumps({**first, "request": generate_request(requestId="other")}))
+            await ws.send_message(json.dumps({**first, "request": {"prompt": 1}}))  # invalid, same id
+            await ws.send_message(msgspec.msgpack.encode({**first, "request": generate_request()}))
             await ws.send_message(json.dumps({**first, "stream": 2}))  # same requestId, new stream
             ends: dict[int, list[dict[str, Any]]] = {}
-            while len([e for v in ends.values() for e in v]) < 3:
-                msg = json.loads(await ws.get_message())
+            refused: list[dict[str, Any]] = []
+            while len(ends.get(1, [])) < 1 or len(ends.get(2, [])) < 1:
+                raw = await ws.get_message()
+                msg = json.loads(raw) if isinstance(raw, str) else msgspec.msgpack.decode(raw)
                 if msg["type"] == "end":
                     ends.setdefault(msg["stream"], []).append(msg)
+                elif msg["type"] == "protocol_error":
+                    refused.append(msg)
             assert ends[2][0]["outcome"] == "rejected"
             assert ends[2][0]["error"]["code"] == "ERROR_CODE_DUPLICATE_REQUEST"
-            assert [e["outcome"] for e in ends[1]] == ["rejected", "completed"]
-            assert ends[1][0]["error"]["code"] == "ERROR_CODE_INVALID_ARGUMENT"
+            assert [e["outcome"] for e in ends[1]] == ["completed"]
+            assert [m.get("stream") for m in refused] == [1, 1, 1]
+            assert all("already open" in m["message"] for m in refused)
+            # the id is free again once its end arrived: reusing it now starts a new stream
+            await ws.send_message(json.dumps({**first, "request": generate_request(max_tokens=1)}))
+            while (msg := json.loads(await ws.get_message()))["type"] != "end":
+                assert msg["type"] == "event" and msg["stream"] == 1
+            assert (msg["stream"], msg["outcome"]) == (1, "completed")
             counters = await wait_engine_idle(engine.address)
-            assert counters["requests_accepted"] == 1
+            assert counters["requests_accepted"] == 2
 
 
 async def test_random_cancels_and_disconnects_leak_nothing(aio_loop: Any, tmp_path: Path) -> None:

@@ -6,7 +6,9 @@ Every frame's expected answer is predicted in-process by the same codec the serv
 with 1009, a WebSocket framing error with 1002; a frame that decodes but is invalid gets its
 typed ``protocol_error`` / ``end rejected`` / failed ``result`` before the next frame is read;
 a ``generate`` gets exactly one ``end`` (cancelled by us at the latest); a ``call`` gets one
-``result``. A sentinel ``call`` after each frame orders the answers.
+``result``; a ``generate`` / ``call`` reusing the id of a stream / call still open gets a
+``protocol_error`` naming it instead (or, when that one ended meanwhile, its normal answer).
+A sentinel ``call`` after each frame orders the answers.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def _key(msg: Any) -> tuple[Any, ...]:
     if isinstance(msg, wire.Result):
         return ("result", msg.call, msg.ok, msg.error.code if msg.error else None)
     if isinstance(msg, wire.ProtocolErrorMessage):
-        return ("protocol_error",)
+        return ("protocol_error", msg.stream, msg.call)
     return (type(msg).__name__,)
 
 
@@ -95,10 +97,29 @@ class Conn:
         self.calls: collections.Counter[Any] = collections.Counter()
         self.sync = 0
         self.awaited: tuple[Any, ...] | None = None  # key of the reply the last frame must get
+        #: The last frame reused this open id (("stream", id) / ("call", id)): the sidecar may
+        #: refuse it with a protocol_error naming the id; ``reused_counted``: its generate / call
+        #: was counted as owing an answer, to be undone then.
+        self.reused: tuple[str, Any] | None = None
+        self.reused_counted = False
 
     def _take(self, raw: str | bytes) -> Any:
         msg = codec.decode_server_frame(raw)  # every answer is a well-formed server message
         t = self.tally
+        if isinstance(msg, wire.ProtocolErrorMessage) and (msg.stream is not None or msg.call is not None):
+            named = ("stream", msg.stream) if msg.stream is not None else ("call", msg.call)
+            if self.reused is None or named != self.reused:
+                t.violations.append(f"{msg} names an id the last frame did not reuse ({self.reused})")
+                return None
+            if self.reused_counted:  # refused: that generate / call owes nothing
+                if named[0] == "stream":
+                    self.streams[named[1]] -= 1
+                    t.generates -= 1
+                else:
+                    self.calls[named[1]] -= 1
+            self.reused, self.awaited = None, None
+            t.answers["protocol_error id in use"] += 1
+            return None
         if self.awaited is not None and _key(msg) == self.awaited:
             self.awaited = None  # the reply to the invalid frame (its id may also be open: PROTOCOL.md)
             if isinstance(msg, wire.End):
@@ -140,6 +161,13 @@ class Conn:
         if want.call is not None:
             self.calls[want.call] += 1
         self.awaited = _key(want.reply) if want.reply is not None else None
+        self.reused, self.reused_counted = None, False
+        stream = want.generate if want.generate is not None else getattr(want.reply, "stream", None)
+        call = want.call if want.call is not None else getattr(want.reply, "call", None)
+        if stream is not None and self.streams[stream] - (want.generate is not None) > 0:
+            self.reused, self.reused_counted = ("stream", stream), want.generate is not None
+        elif call is not None and self.calls[call] - (want.call is not None) > 0:
+            self.reused, self.reused_counted = ("call", call), want.call is not None
         self.sync += 1
         sentinel = f"sync-{self.sync}"
         await self.ws.send_text(json.dumps({"type": "call", "call": sentinel, "method": "health"}))
