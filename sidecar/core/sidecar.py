@@ -24,6 +24,7 @@ from sidecar.core.card import WorkerCard, with_loras
 from sidecar.core.discovery import compare_cards, discover, fetch_loras
 from sidecar.core.errors import DiscoveryError, Rejection
 from sidecar.core.handoff import KvSessionRelease, abort_kv_session_bytes
+from sidecar.core.health import SERVING_HEALTH, EngineState, HealthStatus, ask_engine, state_name
 from sidecar.core.lifecycle import CANCELLED, LifecycleConfig, Outcome, StreamHandle, StreamSupervisor
 from sidecar.core.load import MalformedLoadInfo, attributes_dict, split_load_info
 from sidecar.openengine import pb
@@ -37,8 +38,6 @@ OUTCOME_SHUTDOWN = Outcome(CANCELLED, pb.ErrorCode.CANCELLED, "the sidecar is sh
 
 #: Attributes up to this size are converted on the event loop (a thread hop costs more).
 _INLINE_ATTRIBUTES = 4096
-
-_SERVING_HEALTH = {pb.HealthState.READY, pb.HealthState.DEGRADED}
 
 
 @dataclass
@@ -81,7 +80,7 @@ class Sidecar:
         self.supervisor = StreamSupervisor(engine, self.config.lifecycle)
         self.load = LoadTracker(stale_after=self.config.load_stale_after)
         self.card: WorkerCard | None = None
-        self.engine_state: str = "unknown"  # health state name, or "unreachable"
+        self.engine_state: EngineState = "unknown"  # sidecar.core.health's vocabulary
         self.problem: str | None = "starting"  # blocks serving when set
         self._engine_lost = trio.Event()
         metrics.ENGINE_CHANNELS.set_function(lambda: getattr(engine, "generate_channel_count", 0))
@@ -148,15 +147,23 @@ class Sidecar:
                 raise Rejection(pb.ErrorCode.INTERNAL, "engine not discovered yet", True)
             return card
         if method == "load":
-            return self.load.status(now=trio.current_time())
+            status = self.load.status(now=trio.current_time())
+            if not request.include_per_rank and status.snapshot is not None and status.snapshot.ranks:
+                # GetLoadRequest semantics: per-rank rows only when asked for
+                status.snapshot = msgspec.structs.replace(status.snapshot, ranks=[])
+            return status
         if method == "health":
-            return {
-                "ready": self.not_ready_reason() is None,
-                "reason": self.not_ready_reason(),
-                "draining": self.draining,
-                "engineState": self.engine_state,
-                "activeStreams": len(self.supervisor.streams),
-            }
+            reason = self.not_ready_reason()
+            local = HealthStatus(
+                ready=reason is None,
+                reason=reason,
+                draining=self.draining,
+                engine_state=self.engine_state,
+                active_streams=len(self.supervisor.streams),
+            )
+            if request == pb.HealthRequest():  # nothing asked of the engine: the last check's view
+                return local
+            return await ask_engine(self.engine, self.card, request, local, self.config.call_timeout)
         if method in ("listLoras", "loadLora", "unloadLora"):
             return await self._lora_call(method, request)
         if method == "releaseKvSession":
@@ -188,7 +195,7 @@ class Sidecar:
         elif method == "unloadLora" and not request.lora_name:
             raise Rejection(pb.ErrorCode.INVALID_ARGUMENT, "loraName must not be empty")
         models = self.card.models if self.card is not None else []
-        if method != "listLoras" and models and all(m.supports_lora is False for m in models):
+        if models and all(m.supports_lora is False for m in models):
             raise Rejection(pb.ErrorCode.UNSUPPORTED_FEATURE, "this worker's models do not support LoRA")
         with trio.move_on_after(self.config.call_timeout) as scope:
             try:
@@ -250,8 +257,8 @@ class Sidecar:
                     card = await self._discover()
                     health = await self.engine.health()
                 self.card = card
-                self.engine_state = _health_name(health.state)
-                if health.state in _SERVING_HEALTH:
+                self.engine_state = state_name(health.state)
+                if health.state in SERVING_HEALTH:
                     self._set_problem(None)
                     return card
                 last = f"engine health is {self.engine_state}"
@@ -307,7 +314,7 @@ class Sidecar:
             try:
                 with trio.fail_after(cfg.call_timeout):
                     health = await self.engine.health()
-                    self.engine_state = _health_name(health.state)
+                    self.engine_state = state_name(health.state)
                     if lost or self.card is None:
                         new = await self._discover()
                         changes = compare_cards(self.card, new) if self.card is not None else []
@@ -322,7 +329,7 @@ class Sidecar:
                         delay = cfg.reconnect_initial
                 metrics.child(metrics.HEALTH_CHECKS, "ok").inc()
                 slow_in_a_row = 0
-                if health.state in _SERVING_HEALTH:
+                if health.state in SERVING_HEALTH:
                     self._set_problem(None)
                 else:
                     self._set_problem(f"engine health is {self.engine_state}")
@@ -433,10 +440,6 @@ class Sidecar:
                 log.warning("engine drain failed: %s", err)
         except EngineClientError as err:
             log.warning("engine drain failed: %s", err)
-
-
-def _health_name(state: pb.HealthState) -> str:
-    return (state.proto_name if state.name else None) or "HEALTH_STATE_UNSPECIFIED"
 
 
 def _drain_state_name(event: pb.DrainResponse) -> str:

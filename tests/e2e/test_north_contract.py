@@ -12,7 +12,7 @@ import httpx
 import pytest
 import trio
 
-from sidecar.client.sidecar_client import open_sidecar
+from sidecar.client.sidecar_client import SidecarCallError, open_sidecar
 from tests.e2e.harness import eventually, mock_engine, sidecar
 
 pytestmark = pytest.mark.slow
@@ -81,3 +81,93 @@ async def test_64_bit_integers_are_decimal_strings_in_every_answer(aio_loop: Any
 
 async def _has_snapshot(http: str) -> bool:
     return (await http_json(http + "/v1/load"))["snapshot"] is not None
+
+
+async def call_error(client: Any, method: str, params: dict[str, Any]) -> SidecarCallError:
+    with pytest.raises(SidecarCallError) as info:
+        await client.call(method, params)
+    return info.value
+
+
+async def test_health_and_load_params_are_honoured_or_refused(aio_loop: Any, tmp_path: Path) -> None:
+    """``health`` with HealthRequest fields asks the engine (model checked against the card first,
+    forwarded as the served name) and reports its answer; ``load`` shows per-rank rows only when
+    ``includePerRank`` asks for them. ``engineState`` takes one vocabulary."""
+    with trio.fail_after(60):
+        async with (
+            mock_engine(tmp_path, "--flavor", "vllm", "--dp-size", "2", "--alias", "qwen") as engine,
+            sidecar(engine.address, *SIDECAR_ARGS) as sc,
+            open_sidecar(sc.ws) as client,
+        ):
+            health = await client.call("health")
+            assert health == {
+                "ready": True,
+                "reason": None,
+                "draining": False,
+                "engineState": "ready",
+                "activeStreams": 0,
+            }  # no engine section: nothing was asked of the engine
+            err = await call_error(
+                client, "health", {"model": "no-such-model", "includeInferenceProbe": True}
+            )
+            assert err.code == "ERROR_CODE_MODEL_NOT_FOUND" and "no-such-model" in err.message
+
+            for params in ({"includeInferenceProbe": True}, {"model": "qwen", "includeInferenceProbe": True}):
+                health = await client.call("health", params)
+                assert health["ready"] is True and health["engineState"] == "ready", params
+                assert health["engine"]["state"] == "ready"
+                checks = {c["name"]: c for c in health["engine"]["checks"]}
+                # the probe ran, on the served model (the alias was resolved before forwarding)
+                assert checks["inference_probe"]["state"] == "ready", checks
+                assert checks["inference_probe"]["message"].startswith("generated token")
+
+            # asked whether it serves the decode role, the aggregated engine says no
+            health = await client.call("health", {"role": "ENGINE_ROLE_DECODE"})
+            assert (health["ready"], health["engineState"], health["engine"]["state"]) == (
+                False,
+                "not_ready",
+                "not_ready",
+            )
+            assert health["reason"] == "engine health is not_ready (role: engine role is aggregated)"
+            assert (await client.call("health"))["ready"] is True  # the sidecar's own view is unchanged
+
+            await eventually(lambda: _has_snapshot(sc.http))
+            assert (await client.call("load"))["snapshot"]["ranks"] == []
+            assert (await client.call("load", {"includePerRank": False}))["snapshot"]["ranks"] == []
+            ranks = (await client.call("load", {"includePerRank": True}))["snapshot"]["ranks"]
+            assert [r["dataParallelRank"] for r in ranks] == [0, 1]
+
+            # engine gone: the last check's view says so; asking the engine is a typed, retryable error
+            engine.proc.process.kill()
+
+            async def unreachable() -> Any:
+                health = await client.call("health")
+                return health if health["engineState"] == "unreachable" else None
+
+            health = await eventually(unreachable)
+            assert health["ready"] is False and health["reason"].startswith("engine unreachable")
+            err = await call_error(client, "health", {"includeInferenceProbe": True})
+            assert err.code == "ERROR_CODE_INTERNAL" and err.retryable
+
+
+async def test_lora_calls_are_refused_locally_without_lora(aio_loop: Any, tmp_path: Path) -> None:
+    """An engine whose models do not support LoRA: listLoras, loadLora and unloadLora are refused
+    by the sidecar with a typed UNSUPPORTED_FEATURE before the engine (listLoras was forwarded
+    and answered with the engine's gRPC status text)."""
+    with trio.fail_after(60):
+        async with (
+            mock_engine(tmp_path, "--flavor", "vllm", "--no-lora") as engine,
+            sidecar(engine.address, *SIDECAR_ARGS) as sc,
+            open_sidecar(sc.ws) as client,
+        ):
+            calls = [
+                ("listLoras", {}),
+                ("loadLora", {"adapter": {"loraId": "1", "loraName": "a", "sourcePath": "/a"}}),
+                ("unloadLora", {"loraName": "a"}),
+            ]
+            for method, params in calls:
+                err = await call_error(client, method, params)
+                assert (err.code, err.message) == (
+                    "ERROR_CODE_UNSUPPORTED_FEATURE",
+                    "this worker's models do not support LoRA",
+                ), method  # the sidecar's own refusal ("engine answered ..." when forwarded)
