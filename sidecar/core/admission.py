@@ -343,7 +343,8 @@ def _check_media(request: pb.GenerateRequest, model: ModelCard, role: str) -> No
     mm = model.multimodal
     if request.media:
         if mm is None and model.supports_multimodal is not True:
-            unsupported(f"model {name!r} does not accept media")
+            kinds = dict.fromkeys(enum_name(pb.Modality, m.modality) or "unspecified" for m in request.media)
+            unsupported(f"model {name!r} does not accept media ({', '.join(kinds)})")
         for i, item in enumerate(request.media):
             modality = enum_name(pb.Modality, item.modality)
             if modality is None:
@@ -366,7 +367,8 @@ def _check_media(request: pb.GenerateRequest, model: ModelCard, role: str) -> No
                 )
             if kind not in mm.source_types:
                 unsupported(
-                    f"media[{i}]: source {kind} is not advertised (source types: {', '.join(mm.source_types) or 'none'})"
+                    f"media[{i}] ({modality}): source {kind} is not advertised "
+                    f"(source types: {', '.join(mm.source_types) or 'none'})"
                 )
     opts = request.media_options
     if opts is not None and opts.fields:

@@ -22,6 +22,8 @@ _visible)                                       EOS stays the engine's own rule)
 ``prefill_result.disaggregated_params``         ``kv.session`` (the prefill engine's
 ``["openengine_kv_session"]`` (base64)          ``KvSessionRef`` bytes, forwarded byte for byte)
 ``bootstrap_info`` (host, port, room)           ``kv.session.bootstrap`` (client-bootstrap engines)
+``multi_modal_data`` (+ ``extra_args`` order    ``media`` in prompt order, each with modality,
+and routing hashes), ``mm_processor_kwargs``    source and uuid; ``media_options`` (``media.py``)
 ==============================================  ===============================================
 
 Events → chunks (``{"token_ids": [...], "index": i, ...}``): ``TokenOutput`` → token ids
@@ -40,10 +42,11 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sidecar.core.card import ROLE_DECODE, ROLE_PREFILL, WorkerCard
+from sidecar.core.card import ROLE_DECODE, ROLE_PREFILL, MultimodalCard, WorkerCard
 from sidecar.core.errors import Rejection, invalid_argument
 from sidecar.core.lifecycle import CANCELLED, FAILED, Outcome
 from sidecar.core.metadata import PRIORITY, TARGET_DP_RANK
+from sidecar.dynamo.media import media_request
 from sidecar.north.kvsession import parse_kv_session, splice_kv_session
 from sidecar.openengine import pb
 
@@ -241,6 +244,14 @@ def _bootstrap_session(info: Any, card: WorkerCard, dp_rank: int | None) -> pb.K
     )
 
 
+def _multimodal(card: WorkerCard, model: str) -> MultimodalCard | None:
+    """The multimodal capabilities of the model a request names (``None``: unknown or none)."""
+    if model:
+        resolved = card.resolve(model)
+        return resolved.model.multimodal if resolved is not None else None
+    return card.models[0].multimodal if len(card.models) == 1 else None
+
+
 def to_generate_request(
     request: Mapping[str, Any],
     card: WorkerCard,
@@ -260,6 +271,7 @@ def to_generate_request(
     model = request.get("model") or ""
     if not isinstance(model, str):
         invalid_argument("model must be a string")
+    media, media_options = media_request(request, _multimodal(card, model))
     req = pb.GenerateRequest(
         request_id=request_id,
         model=model,
@@ -268,6 +280,8 @@ def to_generate_request(
         stopping=_stopping(stop_opts, sampling_opts, eos),
         response=_response(out_opts),
         guided=_guided(sampling_opts),
+        media=media,
+        media_options=media_options,
     )
     metadata: dict[str, str] = {}
     dp_rank = routing.get("dp_rank")

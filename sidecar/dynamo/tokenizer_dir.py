@@ -32,7 +32,14 @@ _SPACE = "\u2581"  # ▁, the Metaspace replacement character
 
 #: ``role: content`` lines, then ``assistant:`` when a generation prompt is asked for.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% for message in messages %}{{ message['role'] }}: "
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] in ['image', 'image_url'] %}<image>"
+    "{% elif part['type'] in ['video', 'video_url'] %}<video>"
+    "{% elif part['type'] in ['audio', 'audio_url', 'input_audio'] %}<audio>"
+    "{% endif %}{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 

@@ -59,6 +59,11 @@ def _write_ready(path: str, info: ServingInfo) -> None:
     help="TokenizerInfo.source to report, e.g. a local tokenizer directory "
     "(default openengine-sidecar/mock-tokenizer-v1).",
 )
+@_opt(
+    "--text-only",
+    is_flag=True,
+    help="Serve a text-only model: no multimodal capabilities, every media item refused.",
+)
 @_opt("--dp-size", type=click.IntRange(1, 64), default=1, show_default=True, help="Data-parallel ranks.")
 @_opt("--tp-size", type=click.IntRange(1, 64), default=1, show_default=True)
 @_opt("--kv-block-size", type=click.IntRange(1), default=16, show_default=True)
@@ -111,6 +116,7 @@ def mock_engine(**kw: Any) -> None:
             model=kw["model"],
             aliases=tuple(kw["aliases"]),
             tokenizer_source=kw["tokenizer_source"],
+            text_only=kw["text_only"],
             dp_size=kw["dp_size"],
             tp_size=kw["tp_size"],
             kv_block_size=kw["kv_block_size"],

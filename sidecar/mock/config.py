@@ -31,6 +31,7 @@ class EngineConfig:
     model: str = ""  # "" = the flavour's default model name
     aliases: tuple[str, ...] = ()
     tokenizer_source: str = ""  # "" = the mock tokenizer's id (TokenizerInfo.source)
+    text_only: bool = False  # advertise no multimodal capabilities, refuse every media item
     dp_size: int = 1
     tp_size: int = 1
     kv_block_size: int = 16

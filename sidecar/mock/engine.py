@@ -97,7 +97,7 @@ def _recent_entry(request: pb.GenerateRequest, req: Request) -> dict[str, Any]:
         "prompt_tokens": len(plan.prompt_ids),
         "model": request.model,
         "lora_name": request.lora_name,
-        # media as received, in order: modality, source kind, uuid
+        # media as received, in order: modality, source kind, uuid (media_options below when set)
         "media": [
             {
                 "modality": pb.Modality(m.modality).proto_name,  # validated: a known modality
@@ -107,6 +107,8 @@ def _recent_entry(request: pb.GenerateRequest, req: Request) -> dict[str, Any]:
             for m in request.media
         ],
     }
+    if request.media_options is not None and request.media_options.fields:
+        entry["media_options"] = request.media_options.to_dict()
     if plan.kv_session is not None:
         # the KvSessionRef bytes exactly as they came over the wire (see openengine.server)
         raw = getattr(request, "raw_kv_session", None)

@@ -177,6 +177,11 @@ def flavor_spec(config: EngineConfig) -> FlavorSpec:
     return FLAVORS[config.flavor]
 
 
+def accepted_modalities(config: EngineConfig) -> tuple[pb.Modality, ...]:
+    """Modalities the engine accepts for its role (none for a ``--text-only`` engine)."""
+    return () if config.text_only else flavor_spec(config).role_modalities(config.role)
+
+
 def model_name(config: EngineConfig) -> str:
     return config.model or DEFAULT_MODEL
 
@@ -262,7 +267,7 @@ def model_info(config: EngineConfig) -> pb.ModelInfo:
     """ModelInfo of the served model (the same for its aliases)."""
     spec = flavor_spec(config)
     name = model_name(config)
-    modalities = spec.role_modalities(config.role)
+    modalities = accepted_modalities(config)
     return pb.ModelInfo(
         model_id=name,
         served_model_name=name,
@@ -297,7 +302,9 @@ def model_info(config: EngineConfig) -> pb.ModelInfo:
                 "media_tokens": {MODALITY_NAMES[m]: n for m, n in MEDIA_TOKENS.items()},
             }
         ),
-        multimodal_capabilities=pb.MultimodalCapabilities(
+        multimodal_capabilities=None
+        if config.text_only
+        else pb.MultimodalCapabilities(
             aggregate_modalities=list(spec.aggregate_modalities),
             prefill_decode_modalities=list(spec.pd_modalities),
             source_types=list(spec.source_types),

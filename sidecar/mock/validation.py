@@ -22,7 +22,13 @@ from sidecar.mock import generator as gen
 from sidecar.mock import tokenizer as tok
 from sidecar.mock.config import EngineConfig
 from sidecar.mock.faults import FaultSpecError, StreamFaults, parse_stream_faults
-from sidecar.mock.flavors import MEDIA_PLACEHOLDER, MEDIA_TOKENS, MODALITY_NAMES, FlavorSpec
+from sidecar.mock.flavors import (
+    MEDIA_PLACEHOLDER,
+    MEDIA_TOKENS,
+    MODALITY_NAMES,
+    FlavorSpec,
+    accepted_modalities,
+)
 from sidecar.mock.kvcache import MediaSpan
 from sidecar.mock.lora import Adapter
 from sidecar.openengine import pb
@@ -196,7 +202,7 @@ def _media(
     """Validate media items and expand their placeholders (module doc of flavors)."""
     spec, role = view.flavor, view.config.role
     items = list(request.media)
-    allowed = spec.role_modalities(role)
+    allowed = accepted_modalities(view.config)
     hashes: list[str] = []
     for i, item in enumerate(items):
         if item.modality == pb.Modality.UNSPECIFIED or item.modality not in MEDIA_TOKENS:
@@ -258,9 +264,9 @@ def _media_options(request: pb.GenerateRequest, view: EngineView) -> None:
     if not opts:
         return
     spec = view.flavor
-    if not spec.per_request_media_options:
+    if not spec.per_request_media_options or view.config.text_only:
         raise _unsupported("per-request media_options are not supported by this engine")
-    allowed = {MODALITY_NAMES[m] for m in spec.role_modalities(view.config.role)}
+    allowed = {MODALITY_NAMES[m] for m in accepted_modalities(view.config)}
     for key, value in opts.items():
         if key not in allowed:
             raise _invalid(f"media_options key {key!r} is not an accepted modality ({sorted(allowed)})")

@@ -561,7 +561,7 @@ CASES: list[Case] = [
         req(media=[img("raw_bytes", b"\x89PNG")]),
         {},
         E.UNSUPPORTED_FEATURE,
-        "media[0]: source raw_bytes is not advertised (source types: url, data_uri)",
+        "media[0] (image): source raw_bytes is not advertised (source types: url, data_uri)",
     ),
     (
         "media no modality",
@@ -594,7 +594,7 @@ CASES: list[Case] = [
         req("deepseek", media=[img()]),
         {},
         E.UNSUPPORTED_FEATURE,
-        "model 'deepseek' does not accept media",
+        "model 'deepseek' does not accept media (image)",
     ),
     (
         "media options false",

@@ -358,3 +358,13 @@ def test_media_accepted_per_flavor() -> None:
         req(media=[image()], media_options=pb.Struct.from_dict({"image": {"max_pixels": 10}})), (), view()
     )
     assert len(ok.media) == 1
+
+
+def test_text_only_engine_refuses_media_and_advertises_none() -> None:
+    v = view(flavor="sglang", text_only=True)
+    assert rejected(req(media=[image()]), v).status == "UNIMPLEMENTED"
+    opts = pb.Struct.from_dict({"image": {"max_pixels": 10}})
+    assert rejected(req(media_options=opts), view(text_only=True)).status == "UNIMPLEMENTED"
+    info = flavors.model_info(v.config)
+    assert info.supports_multimodal is False and info.multimodal_capabilities is None
+    assert validate(req(), (), v).media == ()  # text still served
