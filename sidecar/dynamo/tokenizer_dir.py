@@ -15,6 +15,16 @@ and equals ``sidecar.mock.tokenizer.decode`` id for id. Encoding is close to the
 own (longest words, byte fallback for anything else), not identical: the frontend's
 token ids are what the engine receives, so nothing depends on the two encoders agreeing.
 
+``vision=True`` makes the directory look, to Dynamo's frontend, like a Qwen2-VL model whose
+image placeholder is the mock's ``<image>`` (id 3): ``config.json`` says ``model_type``
+``qwen2_vl`` with ``image_token_id`` 3, and ``preprocessor_config.json`` has Qwen2-VL's
+patching (14-pixel patches merged 2x2). The frontend then builds media-aware KV routing
+information: it counts an image of WxH pixels as (W/28)·(H/28) tokens after Qwen2-VL's
+resizing (sides rounded to multiples of 28, at least 56x56 pixels), so a 112x56 image
+counts 8 tokens — exactly the mock's expansion of one image placeholder
+(``sidecar.mock.flavors.MEDIA_TOKENS``) — and request-side and engine-side token positions
+agree.
+
 Run ``python -m sidecar.dynamo.tokenizer_dir DIR`` to write one.
 """
 
@@ -26,7 +36,7 @@ from pathlib import Path
 
 from sidecar.mock import tokenizer as tok
 
-__all__ = ["CHAT_TEMPLATE", "piece", "write_mock_tokenizer_dir"]
+__all__ = ["CHAT_TEMPLATE", "VISION_PREPROCESSOR", "piece", "write_mock_tokenizer_dir"]
 
 _SPACE = "\u2581"  # ▁, the Metaspace replacement character
 
@@ -66,7 +76,20 @@ def _tokenizer_json() -> str:
     return tokenizer.to_str(pretty=False)
 
 
-def write_mock_tokenizer_dir(path: str | Path, *, context_length: int = 8192) -> Path:
+#: Qwen2-VL's image preprocessing as Dynamo's frontend reads it (``vision=True``).
+VISION_PREPROCESSOR = {
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "patch_size": 14,
+    "merge_size": 2,
+    "temporal_patch_size": 2,
+    "min_pixels": 56 * 56,
+    "max_pixels": 28 * 28 * 1280,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+}
+
+
+def write_mock_tokenizer_dir(path: str | Path, *, context_length: int = 8192, vision: bool = False) -> Path:
     """Write the tokenizer directory at ``path`` (created if needed); return it.
 
     Needs the ``tokenizers`` package (``ImportError`` otherwise).
@@ -113,6 +136,14 @@ def write_mock_tokenizer_dir(path: str | Path, *, context_length: int = 8192) ->
         "intermediate_size": 128,
         "torch_dtype": "float16",
     }
+    if vision:
+        model_config.update(
+            architectures=["Qwen2VLForConditionalGeneration"],
+            model_type="qwen2_vl",
+            image_token_id=tok.IMAGE_ID,
+            video_token_id=tok.VIDEO_ID,
+        )
+        (root / "preprocessor_config.json").write_text(json.dumps(VISION_PREPROCESSOR, indent=1), encoding="utf-8")
     (root / "config.json").write_text(json.dumps(model_config, indent=1), encoding="utf-8")
     generation = {"bos_token_id": tok.BOS_ID, "eos_token_id": tok.EOS_ID, "pad_token_id": tok.PAD_ID}
     (root / "generation_config.json").write_text(json.dumps(generation, indent=1), encoding="utf-8")

@@ -36,3 +36,12 @@ def test_directory_files(tmp_path: Path) -> None:
     assert config["eos_token"] == "</s>" and "chat_template" in config
     assert json.loads((root / "config.json").read_text())["max_position_embeddings"] == 1024
     assert json.loads((root / "generation_config.json").read_text())["eos_token_id"] == tok.EOS_ID
+
+
+def test_vision_directory_engages_dynamo_media_aware_routing(tmp_path: Path) -> None:
+    """Dynamo resolves the placeholder it fills with pad values only for the vision variant."""
+    core = pytest.importorskip("dynamo._core", reason="the 'dynamo' extra is not installed")
+    plain = write_mock_tokenizer_dir(tmp_path / "plain")
+    vision = write_mock_tokenizer_dir(tmp_path / "vision", vision=True)
+    assert core.resolve_routing_image_token_id("mock", str(plain)) is None
+    assert core.resolve_routing_image_token_id("mock", str(vision)) == tok.IMAGE_ID
