@@ -25,7 +25,7 @@ counts 8 tokens — exactly the mock's expansion of one image placeholder
 (``sidecar.mock.flavors.MEDIA_TOKENS``) — and request-side and engine-side token positions
 agree.
 
-Run ``python -m sidecar.dynamo.tokenizer_dir DIR`` to write one.
+Run ``python -m sidecar.dynamo.tokenizer_dir [--vision] DIR`` to write one.
 """
 
 from __future__ import annotations
@@ -151,6 +151,9 @@ def write_mock_tokenizer_dir(path: str | Path, *, context_length: int = 8192, vi
 
 
 if __name__ == "__main__":  # pragma: no cover
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m sidecar.dynamo.tokenizer_dir DIR")
-    print(write_mock_tokenizer_dir(sys.argv[1]))
+    args = sys.argv[1:]
+    vision = "--vision" in args
+    paths = [a for a in args if a != "--vision"]
+    if len(paths) != 1 or paths[0].startswith("-"):
+        sys.exit("usage: python -m sidecar.dynamo.tokenizer_dir [--vision] DIR")
+    print(write_mock_tokenizer_dir(paths[0], vision=vision))
