@@ -143,7 +143,9 @@ def write_mock_tokenizer_dir(path: str | Path, *, context_length: int = 8192, vi
             image_token_id=tok.IMAGE_ID,
             video_token_id=tok.VIDEO_ID,
         )
-        (root / "preprocessor_config.json").write_text(json.dumps(VISION_PREPROCESSOR, indent=1), encoding="utf-8")
+        (root / "preprocessor_config.json").write_text(
+            json.dumps(VISION_PREPROCESSOR, indent=1), encoding="utf-8"
+        )
     (root / "config.json").write_text(json.dumps(model_config, indent=1), encoding="utf-8")
     generation = {"bos_token_id": tok.BOS_ID, "eos_token_id": tok.EOS_ID, "pad_token_id": tok.PAD_ID}
     (root / "generation_config.json").write_text(json.dumps(generation, indent=1), encoding="utf-8")

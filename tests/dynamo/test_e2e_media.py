@@ -15,7 +15,15 @@ from typing import Any
 import pytest
 import trio
 
-from tests.dynamo.e2e import MODEL, Frontend, dynamo_sidecar, frontend, require_dynamo, tokenizer_dir
+from tests.dynamo.e2e import (
+    MODEL,
+    Deployment,
+    Frontend,
+    dynamo_sidecar,
+    frontend,
+    require_dynamo,
+    tokenizer_dir,
+)
 from tests.dynamo.media import (
     audio,
     chat,
@@ -33,7 +41,9 @@ require_dynamo()
 pytestmark = pytest.mark.slow
 
 
-async def test_an_image_reaches_the_engine(aio_loop: Any, tmp_path: Path) -> None:
+async def test_an_image_reaches_the_engine(
+    aio_loop: Any, tmp_path: Path, etcd_deployment: Deployment
+) -> None:
     """The issue's reproduction: before, a chat completion with an image answered 200 from an
     engine that never saw the image."""
     tok = tokenizer_dir(tmp_path)
@@ -41,8 +51,8 @@ async def test_an_image_reaches_the_engine(aio_loop: Any, tmp_path: Path) -> Non
     with trio.fail_after(120):
         async with (
             mock_engine(tmp_path, "--flavor", "vllm", "--tokenizer-source", str(tok)) as engine,
-            dynamo_sidecar(tmp_path, engine.address),
-            frontend(tmp_path) as fe,
+            dynamo_sidecar(etcd_deployment, engine.address),
+            frontend(etcd_deployment) as fe,
         ):
             await fe.wait_models(MODEL)
             uuids = []
@@ -76,7 +86,7 @@ async def refused(fe: Frontend, content: list[dict[str, Any]], *words: str, **bo
 
 @pytest.mark.parametrize("flavor", ["trtllm", "vllm", "sglang"])
 async def test_each_modality_served_or_refused_as_the_card_says(
-    aio_loop: Any, tmp_path: Path, flavor: str
+    aio_loop: Any, tmp_path: Path, etcd_deployment: Deployment, flavor: str
 ) -> None:
     tok = tokenizer_dir(tmp_path)
     accepts = ACCEPTS[flavor]
@@ -84,8 +94,8 @@ async def test_each_modality_served_or_refused_as_the_card_says(
     with trio.fail_after(120):
         async with (
             mock_engine(tmp_path, "--flavor", flavor, "--tokenizer-source", str(tok)) as engine,
-            dynamo_sidecar(tmp_path, engine.address),
-            frontend(tmp_path) as fe,
+            dynamo_sidecar(etcd_deployment, engine.address),
+            frontend(etcd_deployment) as fe,
         ):
             await fe.wait_models(MODEL)
             served = 0
@@ -138,15 +148,17 @@ async def test_each_modality_served_or_refused_as_the_card_says(
                 await refused(fe, [text("hear"), inline], "placeholder", "no media items")
 
 
-async def test_media_to_a_text_only_engine_is_refused(aio_loop: Any, tmp_path: Path) -> None:
+async def test_media_to_a_text_only_engine_is_refused(
+    aio_loop: Any, tmp_path: Path, etcd_deployment: Deployment
+) -> None:
     tok = tokenizer_dir(tmp_path)
     with trio.fail_after(120):
         async with (
             mock_engine(
                 tmp_path, "--flavor", "sglang", "--text-only", "--tokenizer-source", str(tok)
             ) as engine,
-            dynamo_sidecar(tmp_path, engine.address),
-            frontend(tmp_path) as fe,
+            dynamo_sidecar(etcd_deployment, engine.address),
+            frontend(etcd_deployment) as fe,
         ):
             await fe.wait_models(MODEL)
             await refused(

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import trio
 
-from tests.dynamo.e2e import MODEL, dynamo_sidecar, frontend, require_dynamo, tokenizer_dir
+from tests.dynamo.e2e import MODEL, Deployment, dynamo_sidecar, frontend, require_dynamo, tokenizer_dir
 from tests.dynamo.media import audio, chat, image, png_data_uri, text, video
 from tests.e2e.harness import engine_counters, mock_engine, wait_engine_idle
 
@@ -27,16 +27,18 @@ PD_ACCEPTS = {"trtllm": {"image", "video"}, "vllm": {"image"}, "sglang": {"image
 
 
 @pytest.mark.parametrize("flavor", ["trtllm", "vllm", "sglang"])
-async def test_media_through_prefill_and_decode(aio_loop: Any, tmp_path: Path, flavor: str) -> None:
+async def test_media_through_prefill_and_decode(
+    aio_loop: Any, tmp_path: Path, etcd_deployment: Deployment, flavor: str
+) -> None:
     tok = tokenizer_dir(tmp_path)
     common = ["--flavor", flavor, "--tokenizer-source", str(tok)]
     with trio.fail_after(150):
         async with (
             mock_engine(tmp_path, *common, "--role", "prefill", name="prefill") as prefill,
             mock_engine(tmp_path, *common, "--role", "decode", name="decode") as decode,
-            dynamo_sidecar(tmp_path, prefill.address, name="sp"),
-            dynamo_sidecar(tmp_path, decode.address, name="sd"),
-            frontend(tmp_path) as fe,
+            dynamo_sidecar(etcd_deployment, prefill.address, name="sp"),
+            dynamo_sidecar(etcd_deployment, decode.address, name="sd"),
+            frontend(etcd_deployment) as fe,
         ):
             await fe.wait_models(MODEL)
             seen: dict[str, set[str]] = {prefill.address: set(), decode.address: set()}

@@ -30,8 +30,9 @@ from sidecar.client.sidecar_client import open_sidecar
 from sidecar.dynamo.tokenizer_dir import write_mock_tokenizer_dir
 from sidecar.mock import flavors
 from sidecar.mock import tokenizer as tok
-from tests.dynamo.e2e import MODEL, dynamo_env, dynamo_sidecar, encode, frontend, require_dynamo
+from tests.dynamo.e2e import MODEL, dynamo_sidecar, encode, frontend, require_dynamo
 from tests.dynamo.media import chat, image, png_data_uri, received, request_id, text
+from tests.dynamo.planes import deployment
 from tests.dynamo.test_e2e_kv_routing import make_router, scores_of, words
 from tests.e2e.harness import engine_counters, eventually, mock_engine
 
@@ -71,24 +72,27 @@ async def test_a_repeated_image_routes_to_the_engine_holding_its_blocks(
     from dynamo.llm import KvRouter, KvRouterConfig
     from dynamo.runtime import DistributedRuntime
 
-    for key, value in dynamo_env(tmp_path).items():
-        monkeypatch.setenv(key, value)  # this process joins the deployment as an observer
     vision = write_mock_tokenizer_dir(tmp_path / "vision-tokenizer", vision=True)
     engine_args = ["--flavor", flavor, "--tokenizer-source", str(vision)]
     images = [png_data_uri(112, 56, (200, 40, 40)), png_data_uri(112, 56, (40, 40, 200))]
     head, tail = "look", " " + words(3, 60)  # the image in block 0: every block depends on it
     with trio.fail_after(180):
         async with (
+            deployment(tmp_path) as dep,
             mock_engine(tmp_path, *engine_args, name="e0") as e0,
             mock_engine(tmp_path, *engine_args, name="e1") as e1,
             mock_engine(tmp_path, *engine_args, "--model", PROBE, name="probe") as probe,
-            dynamo_sidecar(tmp_path, e0.address, name="s0") as s0,
-            dynamo_sidecar(tmp_path, e1.address, name="s1") as s1,
-            dynamo_sidecar(tmp_path, probe.address, "--dynamo-component", "probe", name="sp"),
-            frontend(tmp_path, "--router-mode", "kv") as fe,
+            dynamo_sidecar(dep, e0.address, name="s0") as s0,
+            dynamo_sidecar(dep, e1.address, name="s1") as s1,
+            dynamo_sidecar(dep, probe.address, "--dynamo-component", "probe", name="sp"),
+            frontend(dep, "--router-mode", "kv") as fe,
         ):
+            for key, value in dep.env().items():
+                monkeypatch.setenv(key, value)  # this process joins the deployment as an observer
             await fe.wait_models(MODEL, PROBE)
-            runtime = DistributedRuntime(aio_loop, "file", "tcp", event_plane="zmq")
+            runtime = DistributedRuntime(
+                aio_loop, dep.discovery, dep.request_plane, event_plane=dep.event_plane
+            )
             try:
                 endpoint = runtime.endpoint("dynamo.backend.generate")
                 router = await trio_asyncio.aio_as_trio(make_router)(KvRouter, endpoint, KvRouterConfig())

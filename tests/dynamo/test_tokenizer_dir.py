@@ -40,7 +40,7 @@ def test_directory_files(tmp_path: Path) -> None:
 
 def test_vision_directory_engages_dynamo_media_aware_routing(tmp_path: Path) -> None:
     """Dynamo resolves the placeholder it fills with pad values only for the vision variant."""
-    core = pytest.importorskip("dynamo._core", reason="the 'dynamo' extra is not installed")
+    core = require_module("dynamo._core", "scripts/install-dynamo")
     plain = write_mock_tokenizer_dir(tmp_path / "plain")
     vision = write_mock_tokenizer_dir(tmp_path / "vision", vision=True)
     assert core.resolve_routing_image_token_id("mock", str(plain)) is None
