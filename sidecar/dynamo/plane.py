@@ -36,6 +36,7 @@ from sidecar.dynamo.registration import (
     LoraRegistration,
     ModelRegistration,
     RegistrationError,
+    media_routing_note,
     plan_registrations,
 )
 
@@ -127,6 +128,7 @@ class DynamoPlane:
                     await self._register(card)
                 except Exception as err:
                     raise StartupError(f"Dynamo registration of {self.path}: {err}") from None
+                await self._note_media()
                 nursery.start_soon(self._serve_endpoint)
                 self._start_kv_relay(card)
                 self.routable = True
@@ -205,6 +207,26 @@ class DynamoPlane:
             )
             for lora in plan.loras:
                 await self._register_lora(plan, lora)
+
+    async def _note_media(self) -> None:
+        """Log each model's media and whether Dynamo's media-aware KV routing matches the engine."""
+        try:
+            from dynamo import _core
+
+            resolve = getattr(_core, "resolve_routing_image_token_id", None)
+        except ImportError:  # pragma: no cover - Dynamo's bindings always have _core
+            resolve = None
+        for plan in self.plans:
+            log.info("Dynamo: %s media: %s", plan.name, plan.media.describe())
+            frontend_token = None
+            if resolve is not None and "image" in plan.media.modalities:
+                try:  # reads the model directory's configs and tokenizer: off the event loop
+                    frontend_token = await trio.to_thread.run_sync(resolve, plan.model_path, plan.model_path)
+                except Exception as err:
+                    log.debug("Dynamo: resolving the routing image token of %s: %s", plan.name, err)
+            note = media_routing_note(plan, frontend_token)
+            if note is not None:
+                log.log(note[0], "Dynamo: %s: %s", plan.name, note[1])
 
     async def _register_lora(self, plan: ModelRegistration, lora: LoraRegistration) -> None:
         llm = self.llm

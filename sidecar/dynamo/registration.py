@@ -16,18 +16,33 @@ loaded adapter:
   ``tokenizer.json``, ``tokenizer_config.json``, ``config.json`` there) — otherwise
   :class:`RegistrationError`, naming ``--dynamo-model-path``;
 - a client-bootstrap (SGLang-style) prefill engine registers its bootstrap endpoint, so
-  Dynamo's prefill router hands both sides the same ``bootstrap_info``.
+  Dynamo's prefill router hands both sides the same ``bootstrap_info``;
+- media by capability: the modalities the card accepts for this role and the sources it
+  advertises are recorded (``media``); every model registers WITHOUT a media decoder or
+  fetcher, so the frontend passes each URL or data URI through in ``multi_modal_data``
+  (``media.py``: an OpenEngine engine fetches and decodes media itself, and a
+  frontend-decoded tensor has no ``MediaItem`` form). A text-only card registers the same
+  way; its sidecar refuses every request carrying media. :func:`media_routing_note` says
+  whether Dynamo's media-aware KV routing will match the engine's KV events.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 
 from sidecar.core.card import ROLE_AGGREGATED, ROLE_DECODE, ROLE_PREFILL, ModelCard, WorkerCard
 from sidecar.dynamo.config import DynamoConfig
 
-__all__ = ["LoraRegistration", "ModelRegistration", "RegistrationError", "plan_registrations"]
+__all__ = [
+    "LoraRegistration",
+    "MediaPlan",
+    "ModelRegistration",
+    "RegistrationError",
+    "media_routing_note",
+    "plan_registrations",
+]
 
 _ROLES = (ROLE_AGGREGATED, ROLE_PREFILL, ROLE_DECODE)
 #: Peer worker types each role depends on (Dynamo's model-serving readiness), as its workers do.
@@ -45,6 +60,23 @@ class LoraRegistration:
     #: The base model's directory (Dynamo registers the adapter against its base model card).
     base_model_path: str
     base_model: str
+
+
+@dataclass(frozen=True)
+class MediaPlan:
+    """What media the registered worker takes (URL pass-through; see the module doc)."""
+
+    #: Modalities accepted for this worker's role (``image`` / ``video`` / ``audio``).
+    modalities: list[str]
+    #: Sources the engine advertises (``url`` / ``data_uri`` / ``raw_bytes``).
+    sources: list[str]
+    #: The engine's image placeholder for media-aware KV routing (``None``: none).
+    routing_image_token_id: int | None
+
+    def describe(self) -> str:
+        if not self.modalities:
+            return "text only (requests with media are refused)"
+        return f"{', '.join(self.modalities)} (URL pass-through; sources {', '.join(self.sources) or 'none'})"
 
 
 @dataclass(frozen=True)
@@ -69,6 +101,41 @@ class ModelRegistration:
     #: DNF of peer worker types this worker needs (decode: ``[["prefill"]]``, prefill: ``[["decode"]]``).
     needs: list[list[str]] = field(default_factory=list)
     loras: list[LoraRegistration] = field(default_factory=list)
+    media: MediaPlan = field(default_factory=lambda: MediaPlan([], [], None))
+
+
+def _media_plan(model: ModelCard, role: str) -> MediaPlan:
+    mm = model.multimodal
+    if mm is None:
+        return MediaPlan([], [], None)
+    modalities = mm.aggregate_modalities if role == ROLE_AGGREGATED else mm.prefill_decode_modalities
+    return MediaPlan(list(modalities), list(mm.source_types), mm.routing_image_token_id)
+
+
+def media_routing_note(plan: ModelRegistration, frontend_token_id: int | None) -> tuple[int, str] | None:
+    """(log level, message) on whether Dynamo's media-aware KV routing matches this engine.
+
+    ``frontend_token_id``: the placeholder Dynamo's frontend fills with pad values for this
+    model directory (Dynamo's ``resolve_routing_image_token_id``; ``None``: it does not build
+    media-aware routing for this model). ``None`` when the worker takes no images.
+    """
+    media = plan.media
+    if "image" not in media.modalities:
+        return None
+    engine = media.routing_image_token_id
+    if engine is None:
+        return logging.INFO, "the engine reports no routing_image_token_id: images route by their text prefix"
+    if frontend_token_id is None:
+        return logging.INFO, (
+            f"Dynamo does not build media-aware routing for the model directory {plan.model_path} "
+            "(it knows the image token counts of some model families only): images route by their text prefix"
+        )
+    if frontend_token_id != engine:
+        return logging.WARNING, (
+            f"Dynamo's frontend fills token {frontend_token_id} per image but the engine reports "
+            f"routing_image_token_id {engine}: image blocks will not match; media-aware routing is lost"
+        )
+    return logging.INFO, f"media-aware KV routing on image token {engine}"
 
 
 def _per_rank(total: int | None, ranks: int) -> int | None:
@@ -149,6 +216,7 @@ def plan_registrations(card: WorkerCard, config: DynamoConfig) -> list[ModelRegi
                 bootstrap=bootstrap,
                 needs=_NEEDS.get(role, []),
                 loras=loras,
+                media=_media_plan(model, role),
             )
         )
     return plans

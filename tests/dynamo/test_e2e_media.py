@@ -51,10 +51,13 @@ async def test_an_image_reaches_the_engine(
     with trio.fail_after(120):
         async with (
             mock_engine(tmp_path, "--flavor", "vllm", "--tokenizer-source", str(tok)) as engine,
-            dynamo_sidecar(etcd_deployment, engine.address),
+            dynamo_sidecar(etcd_deployment, engine.address) as sc,
             frontend(etcd_deployment) as fe,
         ):
             await fe.wait_models(MODEL)
+            log = "\n".join(sc.proc.lines)
+            assert "media: image (URL pass-through; sources url, data_uri)" in log
+            assert "images route by their text prefix" in log  # not a model Dynamo counts images for
             uuids = []
             for url in (red, red, blue):
                 resp = await chat(fe, [text("what is this"), image(url)])

@@ -90,6 +90,8 @@ async def test_a_repeated_image_routes_to_the_engine_holding_its_blocks(
             for key, value in dep.env().items():
                 monkeypatch.setenv(key, value)  # this process joins the deployment as an observer
             await fe.wait_models(MODEL, PROBE)
+            # the sidecar checked, with Dynamo's own resolver, that the frontend fills the engine's token
+            assert any("media-aware KV routing on image token 3" in line for line in s0.proc.lines)
             runtime = DistributedRuntime(
                 aio_loop, dep.discovery, dep.request_plane, event_plane=dep.event_plane
             )

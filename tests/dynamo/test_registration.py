@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,7 @@ from click.testing import CliRunner
 from sidecar.core.card import LoraCard
 from sidecar.dynamo.config import DynamoConfig, DynamoConfigError
 from sidecar.dynamo.options import dynamo_config, dynamo_options
-from sidecar.dynamo.registration import RegistrationError, plan_registrations
+from sidecar.dynamo.registration import MediaPlan, RegistrationError, media_routing_note, plan_registrations
 from tests.dynamo.helpers import mock_card
 
 
@@ -105,3 +107,29 @@ def test_flags_and_dynamo_environment() -> None:
         },
     )
     assert config.namespace == "x"  # the sidecar's own variable wins over DYN_*
+
+
+def test_media_by_capability(tmp_path: Path) -> None:
+    """Every card registers for URL pass-through; the plan records what the role accepts."""
+    (agg,) = plan_registrations(mock_card(tmp_path, flavor="sglang"), DynamoConfig())
+    assert agg.media == MediaPlan(["image", "video", "audio"], ["url", "data_uri", "raw_bytes"], 3)
+    assert agg.media.describe() == "image, video, audio (URL pass-through; sources url, data_uri, raw_bytes)"
+    (pd,) = plan_registrations(mock_card(tmp_path, flavor="trtllm", role="prefill"), DynamoConfig())
+    assert pd.media.modalities == ["image", "video"]
+    (text,) = plan_registrations(mock_card(tmp_path, text_only=True), DynamoConfig())
+    assert text.media == MediaPlan([], [], None) and "refused" in text.media.describe()
+    assert media_routing_note(text, 3) is None  # no images, nothing to route by
+
+
+def test_media_routing_note(tmp_path: Path) -> None:
+    (plan,) = plan_registrations(mock_card(tmp_path, flavor="vllm"), DynamoConfig())
+    assert media_routing_note(plan, 3) == (logging.INFO, "media-aware KV routing on image token 3")
+    level, message = media_routing_note(plan, 151655) or (0, "")
+    assert (
+        level == logging.WARNING and "fills token 151655" in message and "routing_image_token_id 3" in message
+    )
+    level, message = media_routing_note(plan, None) or (0, "")
+    assert level == logging.INFO and "images route by their text prefix" in message
+    blind = replace(plan.media, routing_image_token_id=None)
+    note = media_routing_note(replace(plan, media=blind), 3)
+    assert note is not None and "reports no routing_image_token_id" in note[1]
