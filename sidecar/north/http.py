@@ -1,9 +1,10 @@
-"""HTTP endpoints: ``/health``, ``/ready``, ``/metrics``, ``/v1/worker``, ``/v1/load``.
+"""HTTP endpoints: ``/health``, ``/ready``, ``/metrics``, ``/v1/worker``, ``/v1/load``, ``/v1/schema``.
 
 A Starlette app, served by :func:`sidecar.north.http_server.serve_http` (hypercorn's trio
 worker inside the sidecar's nursery; no hand-written HTTP). ``/health`` is liveness (the
 process and its event loop answer); ``/ready`` is 200 only when negotiated, discovered,
-engine healthy and not draining. Paths are exact: ``/metrics/`` is 404, never a redirect
+engine healthy and not draining; ``/v1/schema`` is the north protocol's JSON Schema
+(``sidecar.north.schema``, as docs/protocol.schema.json). Paths are exact: ``/metrics/`` is 404, never a redirect
 (Starlette's would point at whatever ``Host`` the client sent).
 """
 
@@ -21,6 +22,7 @@ from starlette.routing import Route
 from sidecar.core import int64
 from sidecar.metrics import REGISTRY
 from sidecar.north.auth import bearer_matches
+from sidecar.north.schema import schema_json
 
 _json = int64.json_encoder  # 64-bit integers as decimal strings (docs/PROTOCOL.md)
 
@@ -79,6 +81,9 @@ def build_app(host: HttpHost, *, auth_token: str | None = None, open_probes: boo
     async def load(request: Request) -> Response:
         return _json_response(host.load.status(now=trio.current_time()))
 
+    async def schema(request: Request) -> Response:
+        return Response(schema_json(), media_type="application/schema+json")
+
     app = Starlette(
         routes=[
             Route("/health", guarded(health, probe=True)),
@@ -86,6 +91,7 @@ def build_app(host: HttpHost, *, auth_token: str | None = None, open_probes: boo
             Route("/metrics", guarded(metrics)),
             Route("/v1/worker", guarded(worker)),
             Route("/v1/load", guarded(load)),
+            Route("/v1/schema", guarded(schema)),
         ]
     )
     app.router.redirect_slashes = False  # a redirect would name the client-supplied Host

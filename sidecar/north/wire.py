@@ -16,6 +16,9 @@ from typing import Annotated, Any, Final
 
 import msgspec
 
+from sidecar.north import pbschema
+from sidecar.openengine import pb
+
 __all__ = [
     "CALL_METHODS",
     "MAX_ID_INT",
@@ -25,6 +28,7 @@ __all__ = [
     "MAX_METADATA_TOTAL",
     "MAX_METADATA_VALUE_LENGTH",
     "OUTCOMES",
+    "SCHEMA_INSTEAD",
     "Call",
     "Cancel",
     "ClientMessage",
@@ -41,6 +45,7 @@ __all__ = [
     "PrefillReady",
     "PromptOutput",
     "ProtocolErrorMessage",
+    "ReleaseKvSessionParams",
     "Result",
     "ServerMessage",
     "StopMatch",
@@ -77,6 +82,39 @@ CALL_METHODS: Final = (
     "releaseKvSession",
 )
 
+# --- JSON Schema annotations (schema only: msgspec does not validate extra_json_schema) ----------
+# sidecar.north.schema generates docs/protocol.schema.json from these Structs; an embedded
+# OpenEngine message refers to its definition from sidecar.north.pbschema.
+
+#: Marker key of :func:`_instead` (never left in a published schema).
+SCHEMA_INSTEAD: Final = "x-schema-instead"
+
+
+def _schema(**extra: Any) -> msgspec.Meta:
+    """Keywords added to the schema msgspec derives from the field's type."""
+    return msgspec.Meta(extra_json_schema=extra)
+
+
+def _instead(schema: dict[str, Any]) -> msgspec.Meta:
+    """The field's schema is ``schema``, not the one derived from its Python type (which cannot
+    say "a float, or one of these strings"); ``sidecar.north.schema`` substitutes it."""
+    return msgspec.Meta(extra_json_schema={SCHEMA_INSTEAD: schema})
+
+
+def _names(enum_cls: Any) -> list[str]:
+    return [m.proto_name or m.name for m in enum_cls]
+
+
+def _enum_or_number(enum_cls: Any) -> msgspec.Meta:
+    """An enum of the proto3 JSON form: its name, or a number this build does not know."""
+    return _instead({"anyOf": [{"enum": _names(enum_cls)}, {"type": "integer"}]})
+
+
+#: A float of the proto3 JSON form: a number, or "NaN" / "Infinity" / "-Infinity".
+_FLOAT = _instead({"anyOf": [{"type": "number"}, {"enum": ["NaN", "Infinity", "-Infinity"]}]})
+_BASE64 = {"type": "string", "contentEncoding": "base64", "pattern": "^[A-Za-z0-9+/_-]*={0,2}$"}
+
+
 #: A stream or call id: a non-empty string or a non-negative integer, chosen by the client. ``1`` and
 #: ``"1"`` are different ids.
 Id = (
@@ -100,11 +138,14 @@ class Generate(
     """Start a stream: ``request`` is the proto3 JSON of an OpenEngine ``GenerateRequest``."""
 
     stream: Id
-    request: dict[str, Any]
-    metadata: dict[str, str] | None = None
+    request: Annotated[dict[str, Any], _schema(**pbschema.ref(pb.GenerateRequest, "in"))]
+    metadata: Annotated[
+        dict[str, str] | None,
+        _schema(description="gRPC metadata to forward (docs/PROTOCOL.md, generate)", maxProperties=64),
+    ] = None
     #: KvSessionRef protobuf bytes: base64 string (JSON) or bin / base64 string (msgpack); checked by
     #: the codec.
-    kv_session_bytes: Any = None
+    kv_session_bytes: Annotated[Any, _schema(**_BASE64)] = None
 
 
 class Cancel(msgspec.Struct, tag="cancel", tag_field="type", forbid_unknown_fields=True, kw_only=True):
@@ -119,8 +160,17 @@ class Call(
     """A unary call; ``params`` is the proto3 JSON of the method's request message."""
 
     call: Id
-    method: str
+    #: An unknown method still decodes (it is answered UNSUPPORTED_FEATURE); the schema lists the known.
+    method: Annotated[str, _schema(enum=list(CALL_METHODS))]
+    #: The method's request (schema: ``$defs/call.<method>.params``).
     params: dict[str, Any] | None = None
+
+
+class ReleaseKvSessionParams(msgspec.Struct, forbid_unknown_fields=True, rename="camel", kw_only=True):
+    """``params`` of ``releaseKvSession`` (schema only: the codec checks it by hand, to take
+    msgpack ``bin`` as well as base64)."""
+
+    kv_session_bytes: Annotated[bytes, _schema(minLength=1)]
 
 
 ClientMessage = Generate | Cancel | Call
@@ -139,7 +189,7 @@ class _Pb(msgspec.Struct, omit_defaults=True, rename="camel", gc=False):
 
 class LogProb(_Pb):
     token_id: int = 0
-    logprob: float = 0.0
+    logprob: Annotated[float, _FLOAT] = 0.0
     token: str = ""
     rank: int | None = None
 
@@ -147,7 +197,7 @@ class LogProb(_Pb):
 class TokenInfo(_Pb):
     token_id: int = 0
     token: str = ""
-    logprob: float | None = None
+    logprob: Annotated[float, _FLOAT] | None = None
     rank: int | None = None
     candidates: list[LogProb] = []
 
@@ -164,7 +214,7 @@ class TokenOutput(_Pb):
 
 class PrefillReady(_Pb):
     #: proto3 JSON of the KvSessionRef (informational: forward ``Event.kv_session_bytes`` instead).
-    kv_session: dict[str, Any] | None = None
+    kv_session: Annotated[dict[str, Any], _schema(**pbschema.ref(pb.KvSessionRef, "out"))] | None = None
 
 
 class StopMatch(_Pb):
@@ -175,13 +225,14 @@ class StopMatch(_Pb):
 
 class GenerationFinished(_Pb):
     output_index: int | None = None
-    reason: str | int = "FINISH_REASON_UNSPECIFIED"  # unknown enum numbers stay numbers
+    #: Unknown enum numbers stay numbers.
+    reason: Annotated[str | int, _enum_or_number(pb.FinishReason)] = "FINISH_REASON_UNSPECIFIED"
     message: str = ""
     stop_match: StopMatch | None = None
 
 
 class EngineError(_Pb):
-    code: str | int = "ERROR_CODE_UNSPECIFIED"
+    code: Annotated[str | int, _enum_or_number(pb.ErrorCode)] = "ERROR_CODE_UNSPECIFIED"
     message: str = ""
     retryable: bool = False
 
@@ -232,7 +283,7 @@ class GenerateResponse(_Pb):
 class ErrorBody(msgspec.Struct, kw_only=True):
     """``end.error`` / ``result.error``: ``code`` is an OpenEngine ``ERROR_CODE_*`` name."""
 
-    code: str
+    code: Annotated[str, _schema(enum=_names(pb.ErrorCode))]
     message: str = ""
     retryable: bool = False
 
@@ -256,7 +307,7 @@ class End(msgspec.Struct, tag="end", tag_field="type", kw_only=True):
     """The last message of a stream, exactly one per ``generate``."""
 
     stream: Id
-    outcome: str
+    outcome: Annotated[str, _schema(enum=list(OUTCOMES))]
     error: ErrorBody | None = None
 
 

@@ -90,7 +90,7 @@ async def test_bearer_token_on_websocket_and_http(aio_loop: Any, tmp_path: Path,
                 await _completes(sc.ws, auth_token="wrong")
             await _completes(sc.ws, auth_token=TOKEN)
             # HTTP: the API needs the token; the probes only with --auth-probes
-            for path in ("/metrics", "/v1/worker", "/v1/load", "/health", "/ready"):
+            for path in ("/metrics", "/v1/worker", "/v1/load", "/v1/schema", "/health", "/ready"):
                 probe = path in ("/health", "/ready")
                 anonymous = await _get(sc.http + path)
                 wrong = await _get(sc.http + path, token=TOKEN + "x")
