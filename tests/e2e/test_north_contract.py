@@ -1,7 +1,7 @@
 """The north contract as documented in docs/PROTOCOL.md, end to end (real mock-engine and
 sidecar processes, real WebSocket and HTTP): 64-bit integers as decimal strings in every
 answer, ``health`` / ``load`` params honoured or refused, LoRA calls refused locally when the
-worker has no LoRA, the ``engineState`` vocabulary."""
+worker has no LoRA, the ``engineState`` vocabulary, the metadata rules."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from sidecar.client.sidecar_client import SidecarCallError, open_sidecar
-from tests.e2e.harness import eventually, mock_engine, sidecar
+from tests.e2e.harness import engine_counters, eventually, generate_request, mock_engine, sidecar
 
 pytestmark = pytest.mark.slow
 
@@ -171,3 +171,50 @@ async def test_lora_calls_are_refused_locally_without_lora(aio_loop: Any, tmp_pa
                     "ERROR_CODE_UNSUPPORTED_FEATURE",
                     "this worker's models do not support LoRA",
                 ), method  # the sidecar's own refusal ("engine answered ..." when forwarded)
+
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+async def test_metadata_rules_as_documented(aio_loop: Any, tmp_path: Path) -> None:
+    """docs/PROTOCOL.md "Metadata": openengine-priority needs a model advertising it
+    (UNSUPPORTED_FEATURE otherwise: TensorRT-LLM's does not); tracestate only with a
+    traceparent; trace context and canonical numbers reach the engine as documented."""
+    async with (
+        mock_engine(tmp_path, "--flavor", "trtllm") as trt,
+        sidecar(trt.address, *SIDECAR_ARGS) as trt_sc,
+        mock_engine(tmp_path, "--flavor", "vllm", name="vllm") as vllm,
+        sidecar(vllm.address, *SIDECAR_ARGS) as vllm_sc,
+    ):
+        with trio.fail_after(60):
+            refused = [
+                (trt_sc, {"openengine-priority": "5"}, "ERROR_CODE_UNSUPPORTED_FEATURE"),
+                (vllm_sc, {"tracestate": "congo=t61rcWkgMzE"}, "ERROR_CODE_INVALID_ARGUMENT"),
+                (
+                    vllm_sc,
+                    {"traceparent": TRACEPARENT, "tracestate": "a=1,a=2"},
+                    "ERROR_CODE_INVALID_ARGUMENT",
+                ),
+                (vllm_sc, {"traceparent": "ff" + TRACEPARENT[2:]}, "ERROR_CODE_INVALID_ARGUMENT"),
+                (vllm_sc, {"openengine-priority": "2147483648"}, "ERROR_CODE_INVALID_ARGUMENT"),
+            ]
+            for sc, metadata, code in refused:
+                async with open_sidecar(sc.ws) as client, client.generate(generate_request(), metadata) as s:
+                    assert [e async for e in s] == []
+                assert s.end is not None and (s.end.outcome, s.end.error.code) == ("rejected", code), metadata
+            metadata = {
+                "openengine-priority": "-007",
+                "Traceparent": TRACEPARENT,
+                "tracestate": "congo=t61rcWkgMzE, rojo=00f067aa0ba902b7",
+                "x-app": "v",
+            }
+            async with open_sidecar(vllm_sc.ws) as client, client.generate(generate_request(), metadata) as s:
+                async for _ in s:
+                    pass
+            assert s.end is not None and s.end.outcome == "completed", s.end
+            [entry] = (await engine_counters(vllm.address))["recent_requests"].values()
+            assert entry["metadata"] == {  # what the engine records of the OpenEngine keys
+                "openengine-priority": "-7",
+                "traceparent": TRACEPARENT,
+                "tracestate": "congo=t61rcWkgMzE, rojo=00f067aa0ba902b7",
+            }

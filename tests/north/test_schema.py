@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -247,3 +248,36 @@ def test_what_message_to_json_writes_the_output_schema_accepts(cls: Any, data: s
     assert errors(_out_validator(cls), written) == []
     assert errors(_out_validator(cls), {**written, "unknownField": 1}) != []
 
+
+def test_protocol_md_documents_every_field_of_the_sidecars_answers() -> None:
+    """Every field of the worker card, the load status and the health body appears (as
+    ``name``) in docs/PROTOCOL.md: a new field fails here until it is documented."""
+    doc = (SCHEMA_FILE.parent / "PROTOCOL.md").read_text()
+    prose = re.sub(r"```.*?```", "", doc, flags=re.S)  # examples do not count, and would misalign the spans
+    documented = {name for span in re.findall(r"`([^`\n]+)`", prose) for name in re.findall(r"\w+", span)}
+    defs = build_schema()["$defs"]
+    seen: set[str] = set()
+    missing: list[str] = []
+
+    def walk(name: str) -> None:
+        if name in seen:
+            return
+        seen.add(name)
+        for prop, schema in defs[name].get("properties", {}).items():
+            if prop not in documented:
+                missing.append(f"{name}.{prop}")
+            for ref in _refs(schema):
+                walk(ref)
+
+    for root in ("WorkerCard", "LoadStatus", "HealthStatus"):
+        walk(root)
+    assert missing == [], f"undocumented in docs/PROTOCOL.md: {missing}"
+
+
+def _refs(node: Any) -> list[str]:
+    if isinstance(node, dict):
+        out = [node["$ref"].removeprefix("#/$defs/")] if "$ref" in node else []
+        return out + [r for v in node.values() for r in _refs(v)]
+    if isinstance(node, list):
+        return [r for v in node for r in _refs(v)]
+    return []
