@@ -8,6 +8,7 @@ Public API (see docs/KVBRIDGE.md)::
 """
 
 from sidecar.kvbridge.errors import KvBridgeError, KvConfigError, KvDecodeError, KvSourceError
+from sidecar.kvbridge.replay_server import ReplayLimits
 from sidecar.kvbridge.service import KvBridgeConfig, KvBridgeInfo, KvRankInfo, discover_sources, run_kv_bridge
 from sidecar.kvbridge.sources import GrpcSource, KvSource, ZmqSource, plan_sources
 
@@ -21,6 +22,7 @@ __all__ = [
     "KvRankInfo",
     "KvSource",
     "KvSourceError",
+    "ReplayLimits",
     "ZmqSource",
     "discover_sources",
     "plan_sources",

@@ -53,6 +53,17 @@ REPLAY_REQUESTS = Counter(
     registry=REGISTRY,
 )
 
+REPLAY_DROPPED = Counter(
+    _P + "replay_requests_dropped",
+    "Replay requests the bridge's ROUTER did not (fully) answer, by reason "
+    "(busy, slow, evicted, superseded, gone, malformed).",
+    ["rank", "reason"],
+    registry=REGISTRY,
+)
+REPLAYS_ACTIVE = Gauge(
+    _P + "replays_active", "Replays the bridge's ROUTER is sending.", ["rank"], registry=REGISTRY
+)
+
 
 class RankMetrics:
     """The label children of one rank, resolved once (``labels()`` is too slow per batch)."""
@@ -68,6 +79,7 @@ class RankMetrics:
         "lag",
         "rank",
         "replay_requests",
+        "replays_active",
     )
 
     def __init__(self, rank: int) -> None:
@@ -82,9 +94,13 @@ class RankMetrics:
         self.decode_errors = DECODE_ERRORS.labels(r)
         self.lag = LAG.labels(r)
         self.replay_requests = REPLAY_REQUESTS.labels(r)
+        self.replays_active = REPLAYS_ACTIVE.labels(r)
 
     def replay(self, outcome: str) -> None:
         REPLAYS.labels(self.rank, outcome).inc()
 
     def resync(self, reason: str) -> None:
         RESYNCS.labels(self.rank, reason).inc()
+
+    def replay_dropped(self, reason: str) -> None:
+        REPLAY_DROPPED.labels(self.rank, reason).inc()

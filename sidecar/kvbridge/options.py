@@ -17,6 +17,7 @@ import click
 
 from sidecar.cli_options import option
 from sidecar.kvbridge.errors import KvConfigError
+from sidecar.kvbridge.replay_server import ReplayLimits
 from sidecar.kvbridge.service import KvBridgeConfig
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -57,6 +58,34 @@ _OPTIONS = [
         help="ZMQ high-water mark.",
     ),
     option(
+        "--kv-replay-hwm",
+        type=click.IntRange(min=1),
+        default=ReplayLimits.hwm,
+        show_default=True,
+        help="Replay answers queued per peer of our replay socket (memory per slow peer: this many batches).",
+    ),
+    option(
+        "--kv-replay-socket-buffer",
+        type=click.IntRange(min=4096),
+        default=ReplayLimits.socket_buffer,
+        show_default=True,
+        help="Kernel send buffer per peer of our replay socket (bytes).",
+    ),
+    option(
+        "--kv-replay-max-active",
+        type=click.IntRange(min=1),
+        default=ReplayLimits.max_active,
+        show_default=True,
+        help="Replays our replay socket sends at once per rank (one per peer; as many more wait for a slot).",
+    ),
+    option(
+        "--kv-replay-stall-timeout",
+        type=click.FloatRange(min=0, min_open=True),
+        default=ReplayLimits.stall_timeout,
+        show_default=True,
+        help="Drop a replay whose peer reads nothing for this many seconds.",
+    ),
+    option(
         "--kv-advertise-host",
         default=None,
         help="Host to report in the worker card for the KV endpoints (when binding a wildcard).",
@@ -89,6 +118,12 @@ def kv_bridge_config(values: Mapping[str, Any], **overrides: Any) -> KvBridgeCon
         topic=values["kv_topic"],
         hwm=values["kv_hwm"],
         advertise_host=values.get("kv_advertise_host") or None,
+        replay_limits=ReplayLimits(
+            hwm=values.get("kv_replay_hwm", ReplayLimits.hwm),
+            socket_buffer=values.get("kv_replay_socket_buffer", ReplayLimits.socket_buffer),
+            max_active=values.get("kv_replay_max_active", ReplayLimits.max_active),
+            stall_timeout=values.get("kv_replay_stall_timeout", ReplayLimits.stall_timeout),
+        ),
         **overrides,
     )
     config.validate()

@@ -1,7 +1,8 @@
 """Output side of one DP rank: the PUB socket, the bounded replay buffer and the replay ROUTER.
 
 Frames on PUB: ``[topic, seq (8 bytes BE), payload]``, ``seq`` contiguous from 0 for the
-socket's lifetime. The replay ROUTER answers per :mod:`sidecar.kvbridge.replay`.
+socket's lifetime. The replay ROUTER answers per :mod:`sidecar.kvbridge.replay`, bounded
+per :mod:`sidecar.kvbridge.replay_server`.
 
 Tasks and resources: :func:`run_rank_publisher` owns the PUB socket and runs, in its own
 nursery, :func:`serve_replay`, which owns the ROUTER. Both share the in-memory
@@ -12,19 +13,18 @@ cancellation, error).
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import trio
 import zmq
 
 from sidecar.kvbridge.events import EventBatch, encode_batch
 from sidecar.kvbridge.metrics import RankMetrics
-from sidecar.kvbridge.replay import END_SEQ, ReplayBuffer, parse_replay_request, seq_bytes
-from sidecar.kvbridge.zmqio import advertised, recv_multipart, send_multipart
-
-log = logging.getLogger(__name__)
+from sidecar.kvbridge.replay import ReplayBuffer
+from sidecar.kvbridge.replay_server import ReplayLimits, serve_replay
+from sidecar.kvbridge.zmqio import advertised, bind
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,77 +34,6 @@ class RankEndpoints:
     rank: int
     publish_endpoint: str
     replay_endpoint: str | None
-
-
-def _bind(sock: zmq.Socket, endpoint: str) -> str:
-    try:
-        sock.bind(endpoint)
-    except zmq.ZMQError as err:
-        raise OSError(
-            err.errno, f"cannot bind KV {zmq.SocketType(int(sock.type)).name} socket on {endpoint}: {err}"
-        ) from err
-    bound = sock.getsockopt(zmq.LAST_ENDPOINT)
-    return bound.decode() if isinstance(bound, bytes) else str(bound)
-
-
-async def serve_replay(
-    ctx: zmq.Context,
-    endpoint: str,
-    buffer: ReplayBuffer,
-    topic: bytes,
-    metrics: RankMetrics,
-    *,
-    send_timeout: float = 5.0,
-    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Bind a ROUTER on ``endpoint`` and answer replay requests from ``buffer`` until cancelled.
-
-    Reports the bound endpoint through ``task_status``. A reply that cannot be delivered
-    within ``send_timeout`` (peer gone or not reading) is abandoned: the peer times out and
-    asks again. Bind failures raise ``OSError``.
-    """
-    router = ctx.socket(zmq.ROUTER)
-    try:
-        router.setsockopt(zmq.LINGER, 0)
-        router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # errors instead of silent drops at the HWM
-        router.setsockopt(zmq.SNDHWM, buffer.steps + 16)  # a whole buffer fits one peer's pipe
-        bound = _bind(router, endpoint)
-        task_status.started(bound)
-        while True:
-            frames = await recv_multipart(router)
-            await trio.lowlevel.checkpoint()  # a flood of requests must not starve the publisher
-            req = parse_replay_request(frames)
-            if req is None:
-                log.warning("rank %s: malformed KV replay request (%d frames)", metrics.rank, len(frames))
-                if len(frames) >= 2:  # still end the exchange so the peer is not left waiting
-                    envelope = frames[:2] if frames[1] == b"" else frames[:1]
-                    with trio.move_on_after(send_timeout):
-                        await _send_or_drop(router, [*envelope, b"", END_SEQ, b""])
-                continue
-            envelope, start = req
-            metrics.replay_requests.inc()
-            items = buffer.since(start)
-            with trio.move_on_after(send_timeout) as scope:
-                ok = True
-                for seq, payload in items:
-                    if not await _send_or_drop(router, [*envelope, topic, seq_bytes(seq), payload]):
-                        ok = False
-                        break
-                if ok:
-                    await _send_or_drop(router, [*envelope, b"", END_SEQ, b""])
-            if scope.cancelled_caught:
-                log.warning("rank %s: KV replay reply abandoned (peer not reading)", metrics.rank)
-    finally:
-        router.close(linger=0)
-
-
-async def _send_or_drop(router: zmq.Socket, frames: list[bytes]) -> bool:
-    try:
-        await send_multipart(router, frames)
-    except zmq.ZMQError as err:  # EHOSTUNREACH: the peer left
-        log.info("KV replay peer unreachable: %s", err)
-        return False
-    return True
 
 
 async def run_rank_publisher(
@@ -118,6 +47,7 @@ async def run_rank_publisher(
     buffer_steps: int,
     hwm: int,
     advertise_host: str | None = None,
+    replay_limits: ReplayLimits | None = None,
     task_status: trio.TaskStatus[RankEndpoints] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Publish every batch from ``receive`` (lists of batches) for ``rank``; runs until the channel closes or cancel.
@@ -132,12 +62,17 @@ async def run_rank_publisher(
     try:
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, hwm)
-        bound_pub = _bind(pub, publish_endpoint)
+        bound_pub = bind(pub, publish_endpoint)
         async with trio.open_nursery() as nursery:
             bound_replay = None
             if replay_endpoint is not None:
                 bound_replay = await nursery.start(
-                    serve_replay, ctx, replay_endpoint, buffer, topic_b, metrics
+                    partial(serve_replay, limits=replay_limits),
+                    ctx,
+                    replay_endpoint,
+                    buffer,
+                    topic_b,
+                    metrics,
                 )
             task_status.started(
                 RankEndpoints(

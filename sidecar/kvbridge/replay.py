@@ -11,7 +11,6 @@ oldest held batch when ``start`` is older than the buffer — then the end marke
 from __future__ import annotations
 
 from collections import deque
-from itertools import islice
 
 from sidecar.kvbridge.errors import KvDecodeError
 
@@ -50,16 +49,13 @@ class ReplayBuffer:
             raise ValueError(f"replay buffer got seq {seq} after {self._items[-1][0]}")
         self._items.append((seq, payload))
 
-    def since(self, start: int) -> list[tuple[int, bytes]]:
-        """Held batches with ``seq >= start``; from the oldest held one when ``start`` expired."""
-        if not self._items:
-            return []
-        skip = start - self._items[0][0]
-        if skip <= 0:
-            return list(self._items)
-        if skip >= len(self._items):
-            return []
-        return list(islice(self._items, skip, None))
+    def get(self, seq: int) -> bytes | None:
+        """The payload of batch ``seq``, or ``None`` when it is not (or no longer) held."""
+        items = self._items
+        if not items:
+            return None
+        i = seq - items[0][0]
+        return items[i][1] if 0 <= i < len(items) else None
 
 
 def parse_replay_request(frames: list[bytes]) -> tuple[list[bytes], int] | None:

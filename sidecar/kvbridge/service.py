@@ -4,7 +4,7 @@ Task tree (docs/design/architecture.md)::
 
     run_kv_bridge                      # started in the sidecar's root nursery
     └─ nursery
-       ├─ per rank: run_rank_publisher # owns PUB; child serve_replay owns the ROUTER
+       ├─ per rank: run_rank_publisher # owns PUB; child serve_replay owns the ROUTER (bounded)
        └─ per rank: ingest supervisor  # ZmqIngest (SUB + DEALER) or GrpcIngest (SubscribeKvEvents)
 
 Each rank's ingest sends normalized batches into a bounded memory channel read by that
@@ -34,6 +34,7 @@ from sidecar.kvbridge.ingest_grpc import GrpcIngest
 from sidecar.kvbridge.ingest_zmq import ZmqIngest
 from sidecar.kvbridge.metrics import RankMetrics
 from sidecar.kvbridge.publisher import RankEndpoints, run_rank_publisher
+from sidecar.kvbridge.replay_server import ReplayLimits
 from sidecar.kvbridge.sources import GrpcSource, KvSource, ZmqSource, plan_sources
 from sidecar.kvbridge.zmqio import rank_endpoint
 from sidecar.openengine import pb
@@ -50,7 +51,9 @@ class KvBridgeConfig:
     binds port + ``r`` (``ipc://`` paths get ``_dp<r>``; port 0 gives every rank its own
     ephemeral port). ``replay_endpoint=None`` disables our replay socket. ``dp_ranks``: the
     ranks to bridge (``None``: every rank the engine advertises). ``advertise_host`` replaces
-    the host of the reported endpoints (set it when binding a wildcard).
+    the host of the reported endpoints (set it when binding a wildcard). ``replay_limits``
+    bound our replay ROUTER (``--kv-replay-hwm``, ``--kv-replay-socket-buffer``, ``--kv-replay-max-active``,
+    ``--kv-replay-stall-timeout``).
     """
 
     publish_endpoint: str = "tcp://127.0.0.1:5600"
@@ -60,6 +63,7 @@ class KvBridgeConfig:
     hwm: int = 100_000
     dp_ranks: tuple[int, ...] | None = None
     advertise_host: str | None = None
+    replay_limits: ReplayLimits = field(default_factory=ReplayLimits)
     replay_timeout: float = 5.0
     queue_size: int = 256
     backoff_initial: float = 0.05
@@ -74,6 +78,17 @@ class KvBridgeConfig:
             raise KvConfigError("--kv-hwm must be >= 0")
         if self.queue_size < 1:
             raise KvConfigError("queue_size must be at least 1")
+        rl = self.replay_limits
+        if (
+            rl.hwm < 1
+            or rl.max_active < 1
+            or rl.socket_buffer < 4096
+            or not (rl.stall_timeout > 0 and math.isfinite(rl.stall_timeout))
+        ):
+            raise KvConfigError(
+                "--kv-replay-hwm and --kv-replay-max-active must be >= 1, --kv-replay-socket-buffer >= 4096, "
+                "--kv-replay-stall-timeout a positive number"
+            )
         for v, name in ((self.replay_timeout, "replay_timeout"), (self.backoff_initial, "backoff_initial")):
             if not (v > 0 and math.isfinite(v)):
                 raise KvConfigError(f"{name} must be a positive number")
@@ -233,6 +248,7 @@ async def run_kv_bridge(
                         buffer_steps=config.buffer_steps,
                         hwm=config.hwm,
                         advertise_host=config.advertise_host,
+                        replay_limits=config.replay_limits,
                     )
                 )
                 make: Any

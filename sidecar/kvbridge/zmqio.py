@@ -1,4 +1,4 @@
-"""pyzmq under trio: receive / send without blocking the thread, and endpoint helpers.
+"""pyzmq under trio: receive without blocking the thread, binding, and endpoint helpers.
 
 ZMQ's notification FD is edge-triggered (docs/design/stack-notes.md): any send, receive or ``EVENTS`` read
 may consume the notification. So we only wait on the FD after ``EVENTS`` says there is
@@ -15,7 +15,6 @@ from sidecar.kvbridge.errors import KvConfigError
 
 _EVENTS = zmq.EVENTS
 _POLLIN = zmq.POLLIN
-_POLLOUT = zmq.POLLOUT
 _NOBLOCK = zmq.NOBLOCK
 
 
@@ -36,23 +35,16 @@ async def recv_some(sock: zmq.Socket, limit: int) -> list[list[bytes]]:
     return out
 
 
-async def send_multipart(sock: zmq.Socket, frames: list[bytes], *, retry_interval: float = 0.001) -> None:
-    """Send one multipart message, waiting while the socket cannot take it.
-
-    For ROUTER sockets with ``ROUTER_MANDATORY`` the FD may report writable because another
-    peer is; then we retry every ``retry_interval``. Raises ``zmq.ZMQError`` for anything but
-    ``EAGAIN`` (e.g. ``EHOSTUNREACH``: the peer is gone). Bound it with a cancel scope.
-    """
-    while True:
-        try:
-            sock.send_multipart(frames, _NOBLOCK)
-            return
-        except zmq.Again:
-            pass
-        if int(sock.getsockopt(_EVENTS)) & _POLLOUT:
-            await trio.sleep(retry_interval)
-        else:
-            await trio.lowlevel.wait_readable(sock.FD)
+def bind(sock: zmq.Socket, endpoint: str) -> str:
+    """Bind ``sock``; returns the bound endpoint (``LAST_ENDPOINT``). Raises ``OSError``."""
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as err:
+        raise OSError(
+            err.errno, f"cannot bind KV {zmq.SocketType(int(sock.type)).name} socket on {endpoint}: {err}"
+        ) from err
+    bound = sock.getsockopt(zmq.LAST_ENDPOINT)
+    return bound.decode() if isinstance(bound, bytes) else str(bound)
 
 
 def split_tcp(endpoint: str) -> tuple[str, int]:

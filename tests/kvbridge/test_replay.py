@@ -15,14 +15,11 @@ def sb(n: int) -> bytes:
 
 def test_buffer_keeps_the_last_steps() -> None:
     buf = ReplayBuffer(3)
-    assert buf.since(0) == [] and buf.oldest is None
+    assert buf.get(0) is None and buf.oldest is None
     for i in range(5):
         buf.append(i, b"%d" % i)
     assert len(buf) == 3 and (buf.oldest, buf.newest) == (2, 4)
-    assert buf.since(0) == [(2, b"2"), (3, b"3"), (4, b"4")]  # expired start: from the oldest held
-    assert buf.since(3) == [(3, b"3"), (4, b"4")]
-    assert buf.since(4) == [(4, b"4")]
-    assert buf.since(5) == []
+    assert [buf.get(i) for i in range(6)] == [None, None, b"2", b"3", b"4", None]  # only what is held
     with pytest.raises(ValueError):
         buf.append(9, b"")
     with pytest.raises(ValueError):
