@@ -82,6 +82,9 @@ class Sidecar:
         self.card: WorkerCard | None = None
         self.engine_state: EngineState = "unknown"  # sidecar.core.health's vocabulary
         self.problem: str | None = "starting"  # blocks serving when set
+        #: Why a serving plane (e.g. Dynamo's) cannot be reached by its clients; shown by
+        #: ``/ready`` but never blocking admission (the other planes still serve).
+        self.plane_problems: dict[str, str] = {}
         self._engine_lost = trio.Event()
         metrics.ENGINE_CHANNELS.set_function(lambda: getattr(engine, "generate_channel_count", 0))
 
@@ -92,7 +95,14 @@ class Sidecar:
         return self.supervisor.draining
 
     def not_ready_reason(self) -> str | None:
-        """Why ``/ready`` is 503 (``None`` when ready)."""
+        """Why ``/ready`` is 503 (``None`` when ready): the engine's state, then a plane's."""
+        reason = self.engine_not_ready_reason()
+        if reason is None and self.plane_problems:
+            return "; ".join(self.plane_problems.values())
+        return reason
+
+    def engine_not_ready_reason(self) -> str | None:
+        """Why new streams are refused (``None`` when the engine serves)."""
         if self.draining:
             return "draining"
         if self.problem is not None:
@@ -100,6 +110,16 @@ class Sidecar:
         if self.card is None:
             return "engine not discovered"
         return None
+
+    def set_plane_problem(self, plane: str, problem: str | None) -> None:
+        """Record (or clear, with ``None``) why ``plane`` cannot be reached by its clients."""
+        if problem is None:
+            if self.plane_problems.pop(plane, None) is not None:
+                log.info("%s plane serving again", plane)
+        elif self.plane_problems.get(plane) != problem:
+            self.plane_problems[plane] = problem
+            log.warning("not ready: %s", problem)
+        metrics.READY.set(1 if self.not_ready_reason() is None else 0)
 
     def _set_problem(self, problem: str | None) -> None:
         if problem != self.problem:
@@ -127,7 +147,7 @@ class Sidecar:
         """Admission before the engine; raises :class:`Rejection`. See ``sidecar.core.admission``."""
         if self.draining:
             raise Rejection(pb.ErrorCode.DRAINING, "the sidecar is draining; send new work elsewhere", True)
-        reason = self.not_ready_reason()
+        reason = self.engine_not_ready_reason()
         if reason is not None or self.card is None:
             raise Rejection(pb.ErrorCode.INTERNAL, f"engine not ready: {reason}", True)
         admitted = admit_request(request, metadata, self.card)

@@ -17,3 +17,8 @@ ROUTABLE = Gauge(
     "1 while this worker's endpoint is registered in Dynamo's discovery.",
     registry=REGISTRY,
 )
+RUNTIME_RESTARTS = Counter(
+    "openengine_sidecar_dynamo_runtime_restarts",
+    "Dynamo runtimes rebuilt because the runtime shut down on its own (e.g. its etcd lease was lost).",
+    registry=REGISTRY,
+)

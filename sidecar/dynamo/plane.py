@@ -12,6 +12,20 @@ Started by ``run --dynamo`` in the root nursery, beside the WebSocket plane:
     └─ routability watch: leaves Dynamo's discovery while the engine is not ready, rejoins
        when it is back; follows loaded/unloaded LoRA adapters
 
+Before the runtime is built, etcd (and NATS, when a plane uses it) must accept connections
+(``reachability.py``: an asynchronous wait with progress lines, bounded by
+``--startup-deadline``; Dynamo's own constructor would block the event loop retrying).
+
+**Lost runtime.** Dynamo's runtime shuts itself down when it loses its etcd lease for good —
+e.g. etcd came back empty after a failover — and its endpoint leaves discovery. The sidecar
+notices (the endpoint's ``serve_endpoint`` returns without being asked to), turns ``/ready``
+503 ("Dynamo runtime lost …"), counts it (``openengine_sidecar_dynamo_runtime_restarts``),
+builds a new runtime once the planes answer, and registers everything again (new lease, new
+instance id): the worker recovers in place. Streams in flight are unaffected on the sidecar's
+side (the WebSocket plane never stops; Dynamo streams end with their request stream). If the
+planes stay unreachable for ``--startup-deadline``, the plane raises ``StartupError`` and the
+process exits 1 for its supervisor — never a live worker nobody can discover.
+
 :meth:`DynamoPlane.leave` (called on SIGTERM, before the drain) removes the endpoint
 instance and the model registrations, so Dynamo routes no new work here, then waits
 ``unregister_grace`` for routers to notice. Resources: the runtime is shut down when the
@@ -32,6 +46,7 @@ from sidecar.core.sidecar import Sidecar, StartupError
 from sidecar.dynamo import metrics
 from sidecar.dynamo.config import DynamoConfig
 from sidecar.dynamo.handler import StreamBridge
+from sidecar.dynamo.reachability import PlanesUnreachable, plane_servers, wait_for_planes
 from sidecar.dynamo.registration import (
     LoraRegistration,
     ModelRegistration,
@@ -45,6 +60,10 @@ log = logging.getLogger(__name__)
 #: Bound of one call into Dynamo's runtime (registration, unregistration).
 CALL_TIMEOUT = 30.0
 WATCH_INTERVAL = 0.5
+#: Pause between two attempts to rebuild a lost runtime (doubling up to ``REBUILD_MAX``).
+REBUILD_PAUSE = 0.5
+REBUILD_MAX = 5.0
+PLANE = "dynamo"
 
 
 def import_dynamo() -> Any:
@@ -110,49 +129,125 @@ class DynamoPlane:
         self.loop = trio_asyncio.current_loop.get()
         if self.loop is None:
             raise StartupError("Dynamo plane: no trio-asyncio loop")
-        cfg = self.config
         try:
-            self.runtime = self.rt.DistributedRuntime(
+            self.bridge = StreamBridge(self.sidecar, self.loop)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.bridge.run)
+                try:
+                    await self._connect(card, "startup")
+                except PlanesUnreachable as err:
+                    raise StartupError(f"Dynamo: {err}") from None
+                await self._note_media()
+                nursery.start_soon(self._serve_and_rebuild)
+                log.info(
+                    "Dynamo: serving %s as %s (%s) in namespace %s",
+                    ", ".join(p.name for p in self.plans),
+                    self.path,
+                    card.role,
+                    self.config.namespace,
+                )
+                task_status.started(self.path)
+                await self._watch()
+        finally:
+            metrics.ROUTABLE.set(0)
+            self._teardown()
+
+    async def _connect(self, card: WorkerCard, why: str) -> None:
+        """Wait for the planes, build the runtime, register ``card``, start the KV relay.
+        Raises ``PlanesUnreachable`` after ``--startup-deadline``, ``StartupError`` (one line)
+        when the runtime or the registration fails."""
+        cfg = self.config
+
+        def waiting(problem: str) -> None:
+            self.sidecar.set_plane_problem(PLANE, f"Dynamo: {problem}")
+
+        await wait_for_planes(
+            plane_servers(cfg), self.sidecar.config.startup_deadline, what=why, waiting=waiting
+        )
+        try:
+            runtime = self.rt.DistributedRuntime(
                 self.loop, cfg.discovery_backend, cfg.request_plane, event_plane=cfg.event_plane
             )
         except Exception as err:
             raise StartupError(
                 f"Dynamo runtime ({cfg.discovery_backend}/{cfg.request_plane}): {err}"
             ) from None
+        self.runtime = runtime
         try:
-            self.endpoint = self.runtime.endpoint(self.path)
-            self.bridge = StreamBridge(self.sidecar, self.loop)
-            async with trio.open_nursery() as nursery:
-                await nursery.start(self.bridge.run)
-                try:
-                    await self._register(card)
-                except Exception as err:
-                    raise StartupError(f"Dynamo registration of {self.path}: {err}") from None
-                await self._note_media()
-                nursery.start_soon(self._serve_endpoint)
-                self._start_kv_relay(card)
-                self.routable = True
-                metrics.ROUTABLE.set(1)
-                log.info(
-                    "Dynamo: serving %s as %s (%s) in namespace %s",
-                    ", ".join(p.name for p in self.plans),
-                    self.path,
-                    card.role,
-                    cfg.namespace,
-                )
-                task_status.started(self.path)
-                await self._watch()
-        finally:
-            metrics.ROUTABLE.set(0)
-            for publisher in self.publishers:
-                try:
-                    publisher.shutdown()
-                except Exception as err:  # pragma: no cover - best effort at exit
-                    log.debug("KV publisher shutdown: %s", err)
-            self.runtime.shutdown()
+            self.endpoint = runtime.endpoint(self.path)
+            self._loras = set()
+            await self._register(card)
+        except Exception as err:
+            raise StartupError(f"Dynamo registration of {self.path}: {err}") from None
+        self._start_kv_relay(card)
+        self.routable = True
+        metrics.ROUTABLE.set(1)
+        self.sidecar.set_plane_problem(PLANE, None)
+
+    def _teardown(self) -> None:
+        """Stop the KV relay and shut the runtime down (idempotent)."""
+        publishers, self.publishers = self.publishers, []
+        for publisher in publishers:
+            try:
+                publisher.shutdown()
+            except Exception as err:  # pragma: no cover - best effort
+                log.debug("KV publisher shutdown: %s", err)
+        runtime, self.runtime, self.endpoint = self.runtime, None, None
+        if runtime is not None:
+            try:
+                runtime.shutdown()
+            except Exception as err:  # pragma: no cover - best effort
+                log.debug("Dynamo runtime shutdown: %s", err)
+
+    async def _serve_and_rebuild(self) -> None:
+        """Serve the endpoint; when Dynamo's runtime shuts down on its own, rebuild it (module doc)."""
+        while True:
+            try:
+                await self._serve_endpoint()
+                why = "its endpoint stopped serving"
+            except Exception as err:
+                why = f"its endpoint failed: {err}"
+            if self.left:
+                return
+            metrics.RUNTIME_RESTARTS.inc()
+            problem = f"Dynamo runtime lost ({why}; e.g. its etcd lease expired): re-registering"
+            log.error("Dynamo: the runtime shut down on its own (%s); building a new one", why)
+            async with self._lock:
+                self.routable = False
+                metrics.ROUTABLE.set(0)
+                self._teardown()
+            self.sidecar.set_plane_problem(PLANE, problem)
+            await self._rebuild()
+            if self.left:
+                return
+            log.info("Dynamo: registered again as %s", self.path)
+
+    async def _rebuild(self) -> None:
+        """Build and register a new runtime, retrying until it works or the planes have been
+        unreachable for ``--startup-deadline`` (then ``StartupError``: the process exits 1)."""
+        pause = REBUILD_PAUSE
+        while not self.left:
+            card = self.sidecar.card
+            assert card is not None
+            try:
+                self.plans = plan_registrations(card, self.config)
+                async with self._lock:
+                    if self.left:
+                        return
+                    await self._connect(card, "re-registering")
+                return
+            except PlanesUnreachable as err:
+                raise StartupError(f"Dynamo: {err} while re-registering") from None
+            except StartupError as err:
+                log.warning("Dynamo: rebuilding the runtime failed (%s); retrying in %.1fs", err, pause)
+            except RegistrationError as err:
+                log.warning("Dynamo: cannot register the engine's card (%s); retrying in %.1fs", err, pause)
+            self._teardown()
+            await trio.sleep(pause)
+            pause = min(pause * 2, REBUILD_MAX)
 
     async def _serve_endpoint(self) -> None:
-        assert self.bridge is not None
+        assert self.bridge is not None and self.endpoint is not None
         await trio_asyncio.aio_as_trio(self.endpoint.serve_endpoint, loop=self.loop)(
             self.bridge.handler, graceful_shutdown=False
         )
@@ -172,7 +267,7 @@ class DynamoPlane:
         if plan.reasoning_parser:
             rc.reasoning_parser = plan.reasoning_parser
         rc.kv_event_publishing_enabled = bool(self._kv_endpoints(self.sidecar.card))
-        rc.enable_local_indexer = False
+        rc.enable_local_indexer = bool(self._kv_endpoints(self.sidecar.card)) and self.config.kv_events
         if plan.bootstrap is not None:
             rc.set_disaggregated_endpoint(plan.bootstrap[0], plan.bootstrap[1])
         return rc
@@ -279,6 +374,7 @@ class DynamoPlane:
                     endpoint=self.endpoint,
                     kv_block_size=block_size,
                     dp_rank=rank,
+                    enable_local_indexer=True,
                     zmq_endpoint=zmq_endpoint,
                     zmq_topic=self.kv_topic,
                     image_token_id=image_token_id,
@@ -290,7 +386,7 @@ class DynamoPlane:
 
     async def _set_routable(self, routable: bool) -> None:
         async with self._lock:
-            if routable == self.routable or (routable and self.left):
+            if routable == self.routable or (routable and self.left) or self.endpoint is None:
                 return
             if routable:
                 await self._aio(self.endpoint.register_endpoint_instance)
@@ -306,7 +402,7 @@ class DynamoPlane:
             await trio.sleep(WATCH_INTERVAL)
             if self.left:
                 continue
-            reason = self.sidecar.not_ready_reason()
+            reason = self.sidecar.engine_not_ready_reason()
             try:
                 await self._set_routable(reason is None)
                 await self._sync_loras()
@@ -315,7 +411,7 @@ class DynamoPlane:
 
     async def _sync_loras(self) -> None:
         card = self.sidecar.card
-        if card is None or card.lora_adapters is None or len(self.plans) != 1:
+        if card is None or card.lora_adapters is None or len(self.plans) != 1 or self.endpoint is None:
             return
         plan = self.plans[0]
         current = {a.lora_name: a for a in card.lora_adapters if a.base_model == plan.name}
@@ -335,9 +431,12 @@ class DynamoPlane:
 
         Bounded; failures are logged (the drain goes on regardless).
         """
-        if self.left or self.endpoint is None:
+        if self.left:
             return
         self.left = True
+        if self.endpoint is None:
+            log.info("Dynamo: leaving while not registered (runtime being rebuilt)")
+            return
         with trio.move_on_after(CALL_TIMEOUT):
             try:
                 async with self._lock:

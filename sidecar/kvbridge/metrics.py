@@ -46,6 +46,12 @@ LAG = Gauge(
     ["rank"],
     registry=REGISTRY,
 )
+HEARTBEATS = Counter(
+    _P + "heartbeats",
+    "Idle heartbeats: the last batch published again after --kv-heartbeat seconds without one.",
+    ["rank"],
+    registry=REGISTRY,
+)
 REPLAY_REQUESTS = Counter(
     _P + "replay_requests_served",
     "Replay requests answered by the bridge's ROUTER.",
@@ -76,6 +82,7 @@ class RankMetrics:
         "events_in",
         "events_out",
         "gaps",
+        "heartbeats",
         "lag",
         "rank",
         "replay_requests",
@@ -95,6 +102,7 @@ class RankMetrics:
         self.lag = LAG.labels(r)
         self.replay_requests = REPLAY_REQUESTS.labels(r)
         self.replays_active = REPLAYS_ACTIVE.labels(r)
+        self.heartbeats = HEARTBEATS.labels(r)
 
     def replay(self, outcome: str) -> None:
         REPLAYS.labels(self.rank, outcome).inc()

@@ -86,6 +86,14 @@ _OPTIONS = [
         help="Drop a replay whose peer reads nothing for this many seconds.",
     ),
     option(
+        "--kv-heartbeat",
+        type=click.FloatRange(min=0),
+        default=5.0,
+        show_default=True,
+        help="Publish the last batch again after this many idle seconds, so consumers see a gap "
+        "while the engine is idle (0: never).",
+    ),
+    option(
         "--kv-advertise-host",
         default=None,
         help="Host to report in the worker card for the KV endpoints (when binding a wildcard).",
@@ -117,6 +125,7 @@ def kv_bridge_config(values: Mapping[str, Any], **overrides: Any) -> KvBridgeCon
         buffer_steps=values["kv_buffer_steps"],
         topic=values["kv_topic"],
         hwm=values["kv_hwm"],
+        heartbeat=values.get("kv_heartbeat", 5.0),
         advertise_host=values.get("kv_advertise_host") or None,
         replay_limits=ReplayLimits(
             hwm=values.get("kv_replay_hwm", ReplayLimits.hwm),

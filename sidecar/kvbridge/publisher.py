@@ -4,6 +4,13 @@ Frames on PUB: ``[topic, seq (8 bytes BE), payload]``, ``seq`` contiguous from 0
 socket's lifetime. The replay ROUTER answers per :mod:`sidecar.kvbridge.replay`, bounded
 per :mod:`sidecar.kvbridge.replay_server`.
 
+Idle heartbeat: after ``heartbeat`` seconds without a batch, the last batch is published again
+under the next ``seq`` (and again every ``heartbeat`` seconds while idle). Applying a batch
+twice in a row leaves a consumer's view unchanged (stored blocks stored again, removed ones
+removed again, cleared again), and the new number shows a consumer that lost batches — to a
+dropped connection, a restarted broker, a restarted relay — its gap within ``heartbeat``
+seconds even on an idle engine, instead of at the engine's next cache change.
+
 Tasks and resources: :func:`run_rank_publisher` owns the PUB socket and runs, in its own
 nursery, :func:`serve_replay`, which owns the ROUTER. Both share the in-memory
 :class:`ReplayBuffer` (same thread; a replay answer works on a snapshot of it). Both close
@@ -13,6 +20,7 @@ cancellation, error).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -48,12 +56,14 @@ async def run_rank_publisher(
     hwm: int,
     advertise_host: str | None = None,
     replay_limits: ReplayLimits | None = None,
+    heartbeat: float = 0.0,
     task_status: trio.TaskStatus[RankEndpoints] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Publish every batch from ``receive`` (lists of batches) for ``rank``; runs until the channel closes or cancel.
 
     Binds PUB (and the replay ROUTER) before reporting :class:`RankEndpoints`. Each batch
-    gets the next sequence number and this rank as ``data_parallel_rank``.
+    gets the next sequence number and this rank as ``data_parallel_rank``. ``heartbeat`` > 0:
+    the last batch again after that many idle seconds (module doc).
     """
     metrics = RankMetrics(rank)
     topic_b = topic.encode()
@@ -85,7 +95,22 @@ async def run_rank_publisher(
             send = pub.send_multipart
             append = buffer.append
             events_out, batches_out, lag = metrics.events_out, metrics.batches_out, metrics.lag
-            async for group in receive:
+            last: bytes | None = None
+            while True:
+                group: list[EventBatch] | None = None
+                idle = heartbeat if heartbeat > 0 and last is not None else math.inf
+                with trio.move_on_after(idle):
+                    try:
+                        group = await receive.receive()
+                    except trio.EndOfChannel:
+                        break
+                if group is None:
+                    assert last is not None
+                    send([topic_b, seq.to_bytes(8, "big"), last], zmq.NOBLOCK)
+                    append(seq, last)
+                    seq += 1
+                    metrics.heartbeats.inc()
+                    continue
                 events = 0
                 for batch in group:
                     batch.data_parallel_rank = rank
@@ -95,6 +120,7 @@ async def run_rank_publisher(
                     append(seq, payload)
                     seq += 1
                     events += len(batch.events)
+                    last = payload
                 events_out.inc(events)
                 batches_out.inc(len(group))
                 lag.set(time.time() - group[-1].ts)

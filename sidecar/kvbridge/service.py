@@ -69,6 +69,9 @@ class KvBridgeConfig:
     backoff_initial: float = 0.05
     backoff_max: float = 5.0
     discovery_timeout: float = 30.0
+    #: Seconds without a batch before the last one is published again (0: never; publisher.py;
+    #: ``run --kv-heartbeat`` defaults to 5).
+    heartbeat: float = 0.0
 
     def validate(self) -> None:
         """Raise :class:`KvConfigError` for unusable settings."""
@@ -76,6 +79,8 @@ class KvBridgeConfig:
             raise KvConfigError("--kv-buffer-steps must be at least 1")
         if self.hwm < 0:
             raise KvConfigError("--kv-hwm must be >= 0")
+        if self.heartbeat < 0:
+            raise KvConfigError("--kv-heartbeat must be >= 0")
         if self.queue_size < 1:
             raise KvConfigError("queue_size must be at least 1")
         rl = self.replay_limits
@@ -249,6 +254,7 @@ async def run_kv_bridge(
                         hwm=config.hwm,
                         advertise_host=config.advertise_host,
                         replay_limits=config.replay_limits,
+                        heartbeat=config.heartbeat,
                     )
                 )
                 make: Any

@@ -13,6 +13,7 @@ event plane — and the environment the frontend, the workers and the test proce
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import socket
@@ -195,7 +196,7 @@ class Deployment:
             "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
             "DYN_EVENT_PLANE_HOST": "127.0.0.1",
             "DYN_SELF_HOST_METADATA": "0",
-            "DYN_LOG": "warn",
+            "DYN_LOG": os.environ.get("DYN_LOG", "warn"),
         }
         if self.discovery == "file":
             env["DYN_FILE_KV"] = str(self.tmp_path / "dynamo-kv")

@@ -311,3 +311,28 @@ async def test_crashed_ingest_is_resynced_and_restarted(monkeypatch: pytest.Monk
                 assert await c.collect_events(len(expected)) == expected
             assert m.delta("resyncs", reason="ingest_restart") == 1
             n.cancel_scope.cancel()
+
+
+async def test_idle_heartbeat_republishes_the_last_batch_and_reveals_a_lost_one() -> None:
+    """``heartbeat``: after that many idle seconds the last batch goes out again under the next
+    number — an unchanged view for a consumer that has it, and a visible gap for one that lost
+    it (here: published before the consumer subscribed), filled by replay."""
+    rng = random.Random(5)
+    first, last = gen.batch(rng, 4), gen.batch(rng, 4)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n, FakeEngine(n) as eng:
+            m = Metrics()
+            info = await start_bridge(n, [source(eng)], heartbeat=0.2)
+            await eng.wait_subscribed()
+            (rank,) = info.ranks
+            eng.publish(first)
+            async with Consumer(rank.publish_endpoint, rank.replay_endpoint) as early:
+                eng.publish(last)  # the late consumer below never sees these live
+                await early.collect_events(8)
+            async with Consumer(rank.publish_endpoint, rank.replay_endpoint) as late:
+                await late.collect_events(12)  # first + last by replay, then last again (and again)
+                batches = [r.events for r in late.received]
+                assert batches[:2] == [first, last] and all(b == last for b in batches[2:]), batches
+                assert [r.seq for r in late.received] == list(range(len(batches)))
+            assert m.delta("heartbeats") >= 1 and m.delta("batches_out") == 2
+            n.cancel_scope.cancel()
