@@ -43,7 +43,8 @@ CONFINED: dict[str, tuple[str, ...]] = {
     "grpclib": ("openengine", "bench/engine_proc.py"),
     "h2": ("openengine", "bench/engine_proc.py"),
     "asyncio": ("openengine", "mock", "bench", "engines"),
-    "dynamo": ("dynamo",),
+    # the fleet benchmark's anchor is a Dynamo worker of its own (its own process, no sidecar code)
+    "dynamo": ("dynamo", "bench/dynamo_anchor.py"),
     "vllm": ("engines",),
 }
 

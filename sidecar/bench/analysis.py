@@ -38,21 +38,21 @@ def relay_figures(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     side, ec, grpc = out.get("sidecar"), out.get("engineclient"), out.get("grpcio")
     ratios: dict[str, float] = {}
     if side and ec:
-        ratios["throughput_vs_engineclient"] = _ratio(side["tokens_per_s"], ec["tokens_per_s"])
+        ratios["throughput_vs_engineclient"] = ratio(side["tokens_per_s"], ec["tokens_per_s"])
     if side and grpc:
-        ratios["throughput_vs_grpcio"] = _ratio(side["tokens_per_s"], grpc["tokens_per_s"])
-        ratios["sidecar_cpu_per_token_vs_grpcio"] = _ratio(
+        ratios["throughput_vs_grpcio"] = ratio(side["tokens_per_s"], grpc["tokens_per_s"])
+        ratios["sidecar_cpu_per_token_vs_grpcio"] = ratio(
             side["sidecar_cpu_us_per_token"], grpc["client_cpu_us_per_token"]
         )
     if ec and grpc:
-        ratios["engineclient_cpu_per_token_vs_grpcio"] = _ratio(
+        ratios["engineclient_cpu_per_token_vs_grpcio"] = ratio(
             ec["client_cpu_us_per_token"], grpc["client_cpu_us_per_token"]
         )
     out["ratios"] = ratios
     return out
 
 
-def _ratio(a: float, b: float) -> float:
+def ratio(a: float, b: float) -> float:
     """a / b; NaN when b is zero or unknown (a tiny --quick run can measure 0 CPU ticks)."""
     return a / b if b and not math.isnan(b) else math.nan
 
@@ -60,6 +60,65 @@ def _ratio(a: float, b: float) -> float:
 def latency_added(through: dict[str, Any], direct: dict[str, Any]) -> dict[str, Any]:
     """What the relay adds to each percentile of TTFT, inter-token gap and one-way latency."""
     return {key: stats.added(through[key], direct[key]) for key in ("ttft_ms", "itl_ms", "oneway_ms")}
+
+
+def short_figures(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per client kind, medians over rounds: requests/s, latency p50/p99, CPU µs per request
+    (the sidecar process through the sidecar, the client process directly); and the ratios."""
+    out: dict[str, Any] = {}
+    for kind, rs in runs.items():
+        if not rs:
+            continue
+        who = "sidecar" if kind == "sidecar" else "self"
+        out[kind] = {
+            "requests_per_s": stats.median([r["requests_per_s"] for r in rs]),
+            "completed": sum(r["completed"] for r in rs),
+            "latency_ms": {p: stats.median([r["latency_ms"][p] for r in rs]) for p in ("p50", "p99")},
+            "cpu_us_per_request": stats.median([per_token_us(r["cpu_s"][who], r["completed"]) for r in rs]),
+            "client_cpu_us_per_request": stats.median(
+                [per_token_us(r["cpu_s"]["self"], r["completed"]) for r in rs]
+            ),
+            "rounds_requests_per_s": [r["requests_per_s"] for r in rs],
+        }
+    side, ec, grpc = out.get("sidecar"), out.get("engineclient"), out.get("grpcio")
+    if side and ec:
+        out["ratio_vs_engineclient"] = ratio(side["requests_per_s"], ec["requests_per_s"])
+    if side and grpc:
+        out["cpu_per_request_vs_grpcio"] = ratio(side["cpu_us_per_request"], grpc["cpu_us_per_request"])
+    return out
+
+
+#: Burst clients that reach the engine through the sidecar (the others read it directly).
+BURST_VIA_SIDECAR = ("json", "lean-coalesced", "lean")
+
+
+def burst_figures(runs: dict[str, list[dict[str, Any]]], expected: int) -> dict[str, Any]:
+    """Per client kind: TTFT summary pooled over every burst of every round, streams completed,
+    sidecar CPU per request (through-sidecar kinds); ``added`` = each percentile minus the
+    reference's (grpcio, else EngineClient)."""
+    clients: dict[str, Any] = {}
+    for kind, rs in runs.items():
+        if not rs:
+            continue
+        fig: dict[str, Any] = {
+            "ttft_ms": stats.summary([t for r in rs for t in r["ttft_ms"]]),
+            "completed": sum(r["ended"] for r in rs),
+            "expected": expected,
+            "client_cpu_s": sum(r["cpu_s"]["self"] for r in rs),
+        }
+        if kind in BURST_VIA_SIDECAR:
+            fig["sidecar_cpu_us_per_request"] = (
+                sum(r["cpu_s"].get("sidecar", math.nan) for r in rs) / expected * 1e6
+            )
+        clients[kind] = fig
+    out: dict[str, Any] = {"clients": clients}
+    ref = next((k for k in ("grpcio", "engineclient") if k in clients), None)
+    if ref is not None:
+        out["reference"] = ref
+        for kind, fig in clients.items():
+            if kind in BURST_VIA_SIDECAR:
+                fig["added_ttft_ms"] = stats.added(fig["ttft_ms"], clients[ref]["ttft_ms"])
+    return out
 
 
 def cancel_figures(records: list[dict[str, Any]], seen_us: dict[str, float]) -> dict[str, Any]:
@@ -90,7 +149,7 @@ def leaks(counters: dict[str, Any]) -> int:
 
 
 def goals(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 9's goals against the figures present (``met`` None when not measured)."""
+    """Issue 9's and issue 19's goals against the figures present (``met`` None when not measured)."""
     out: list[dict[str, Any]] = []
 
     def goal(name: str, value: float | None, target: str, ok: bool | None, unit: str = "") -> None:
@@ -115,10 +174,33 @@ def goals(results: dict[str, Any]) -> list[dict[str, Any]]:
         goal("relay vs direct EngineClient", x, ">= 0.7x", None if x is None else x >= 0.7, "x")
         x = r.get("sidecar_cpu_per_token_vs_grpcio")
         goal("sidecar CPU/token vs grpcio client", x, "<= 3x", None if x is None else x <= 3, "x")
+        x = r.get("throughput_vs_engineclient")
+        goal("stretch: relay vs direct EngineClient", x, ">= 0.85x", None if x is None else x >= 0.85, "x")
+        x = r.get("sidecar_cpu_per_token_vs_grpcio")
+        goal("stretch: sidecar CPU/token vs grpcio", x, "<= 1.25x", None if x is None else x <= 1.25, "x")
     short = results.get("short")
     if short and "sidecar" in short:
         x = short["sidecar"]["requests_per_s"]
         goal("short requests/s", x, ">= 1,000", x >= 1000, "req/s")
+        x = short.get("ratio_vs_engineclient")
+        goal("short requests vs direct EngineClient", x, ">= 0.8x", None if x is None else x >= 0.8, "x")
+        x = short.get("cpu_per_request_vs_grpcio")
+        goal("sidecar CPU/short request vs grpcio", x, "<= 1.5x", None if x is None else x <= 1.5, "x")
+    burst = results.get("burst")
+    fig64 = (burst or {}).get("sizes", {}).get("64", {}).get("clients", {}).get("json")
+    if fig64 and "added_ttft_ms" in fig64:
+        a = fig64["added_ttft_ms"]
+        goal("burst of 64 (JSON client): added TTFT p50", a["p50"], "<= 15 ms", a["p50"] <= 15, "ms")
+        goal("burst of 64 (JSON client): added TTFT p99", a["p99"], "<= 40 ms", a["p99"] <= 40, "ms")
+    dyn = results.get("dynamo")
+    r = (dyn or {}).get("ratios", {})
+    if r:
+        x = r.get("tokens_per_s_vs_anchor")
+        goal("Dynamo: output tok/s vs anchor worker", x, ">= 0.9x", None if x is None else x >= 0.9, "x")
+        x = r.get("ttft_p50_minus_anchor_ms")
+        goal("Dynamo: TTFT p50 minus anchor's", x, "<= +5 ms", None if x is None else x <= 5, "ms")
+        x = r.get("worker_cpu_per_token_vs_anchor")
+        goal("Dynamo: worker CPU/token vs anchor", x, "<= 1.2x", None if x is None else x <= 1.2, "x")
     lat = results.get("latency")
     if lat and "added" in lat:
         a = lat["added"]

@@ -80,7 +80,7 @@ async def run_bench(config: BenchConfig, say: Any = print) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="oe-bench-") as tmp_s:
         tmp = Path(tmp_s)
         pb2_dir: Path | None = None
-        if any(s in config.scenarios for s in ("relay",)):
+        if any(s in config.scenarios for s in ("relay", "short", "burst", "dynamo")):
             try:
                 pb2_dir = generate_pb2(tmp / "pb2")
             except Pb2Unavailable as err:

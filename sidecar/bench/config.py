@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-SCENARIOS = ("relay", "short", "latency", "cancel", "scale", "kv", "drain")
+SCENARIOS = ("relay", "short", "burst", "latency", "cancel", "scale", "kv", "drain", "dynamo")
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,12 @@ class BenchConfig:
     # short requests (1-token completions): concurrent clients for a duration
     short_concurrency: int = 64
     short_seconds: float = 5.0
+    short_rounds: int = 3
+    # burst: N streams released at once (each size), per client kind; rounds alternate the kinds
+    burst_sizes: tuple[int, ...] = (64, 256)
+    burst_tokens: int = 16
+    burst_bursts: int = 3  # bursts per worker run (each after the previous one ended)
+    burst_rounds: int = 3
     # latency: paced streams (tokens/s each), started at random offsets within ramp_s
     latency_streams: int = 64
     latency_rate: float = 30.0
@@ -43,6 +49,11 @@ class BenchConfig:
     # drain: streams in flight at SIGTERM, grace (--drain-timeout) shorter than the streams
     drain_streams: int = 256
     drain_grace_s: float = 2.0
+    # dynamo: streamed completions through Dynamo's frontend to each worker, rounds alternating
+    dynamo_requests: int = 256
+    dynamo_concurrency: int = 16
+    dynamo_tokens: int = 64
+    dynamo_rounds: int = 3
     # the engine
     engine_stream_limit: int = 65536
     engine_lean_load: bool = True  # the engine's GetLoad attributes as small as a real engine's
@@ -61,6 +72,7 @@ class BenchConfig:
             connections=2,
             short_concurrency=4,
             short_seconds=0.5,
+            short_rounds=1,
             latency_streams=4,
             latency_rate=50.0,
             latency_tokens=10,
@@ -77,4 +89,12 @@ class BenchConfig:
             kv_seconds=0.3,
             drain_streams=8,
             drain_grace_s=0.5,
+            burst_sizes=(8,),
+            burst_tokens=4,
+            burst_bursts=1,
+            burst_rounds=1,
+            dynamo_requests=16,
+            dynamo_concurrency=4,
+            dynamo_tokens=8,
+            dynamo_rounds=1,
         )

@@ -239,37 +239,51 @@ async def cancel_engineclient(spec: dict[str, Any], cpu: Callable[[], dict[str, 
 # --- grpcio + official protobuf -----------------------------------------------------------------------
 
 
-def relay_grpcio(spec: dict[str, Any], cpu: Callable[[], dict[str, float]]) -> dict[str, Any]:
-    import grpc
+class GrpcioClient:
+    """grpcio's asyncio API on the engine with the run-time bindings (see the module doc)."""
 
-    from sidecar.bench.pb2 import import_pb2
+    def __init__(self, spec: dict[str, Any]) -> None:
+        import grpc
 
-    gen, svc = import_pb2(spec["pb2_dir"])
-    n, m, nonce = spec["streams"], spec["tokens"], spec["nonce"]
-    target = spec["engine"]
-    if target.startswith("unix://"):
-        target = "unix:" + target[len("unix://") :]
+        from sidecar.bench.pb2 import import_pb2
 
-    def request(rid: str, max_tokens: int) -> Any:
+        self.spec = spec
+        self.gen, self.svc = import_pb2(spec["pb2_dir"])
+        target = spec["engine"]
+        if target.startswith("unix://"):
+            target = "unix:" + target[len("unix://") :]
+        self.channel = grpc.aio.insecure_channel(target)
+        self.stub = self.svc.InferenceStub(self.channel)
+
+    def request(self, rid: str, max_tokens: int) -> Any:
+        gen = self.gen
         return gen.GenerateRequest(
             request_id=rid,
-            model=spec["model"],
-            prompt=spec.get("prompt", "Hello"),
+            model=self.spec["model"],
+            prompt=self.spec.get("prompt", "Hello"),
             stopping=gen.StoppingOptions(max_tokens=max_tokens, ignore_eos=True),
         )
 
+    async def tokens(self, rid: str, max_tokens: int) -> int:
+        """Read one stream to its end; its token events."""
+        count = 0
+        async for resp in self.stub.Generate(self.request(rid, max_tokens)):
+            if resp.HasField("token"):
+                count += 1
+        return count
+
+    async def warm_up(self) -> None:
+        await asyncio.gather(*(self.tokens(f"{self.spec['nonce']}-w{i}", 20) for i in range(8)))
+
+
+def relay_grpcio(spec: dict[str, Any], cpu: Callable[[], dict[str, float]]) -> dict[str, Any]:
+    n, m, nonce = spec["streams"], spec["tokens"], spec["nonce"]
+
     async def main() -> dict[str, Any]:
-        async with grpc.aio.insecure_channel(target) as channel:
-            stub = svc.InferenceStub(channel)
-
-            async def one(rid: str, max_tokens: int) -> int:
-                count = 0
-                async for resp in stub.Generate(request(rid, max_tokens)):
-                    if resp.HasField("token"):
-                        count += 1
-                return count
-
-            await asyncio.gather(*(one(f"{nonce}-w{i}", 20) for i in range(8)))
+        client = GrpcioClient(spec)
+        async with client.channel:
+            one = client.tokens
+            await client.warm_up()
             cpu0, t0 = cpu(), time.perf_counter()
             counts = await asyncio.gather(*(one(f"{nonce}-{i}", m) for i in range(n)))
             t1, cpu1 = time.perf_counter(), cpu()
@@ -280,6 +294,40 @@ def relay_grpcio(spec: dict[str, Any], cpu: Callable[[], dict[str, float]]) -> d
             "tokens": tokens,
             "seconds": t1 - t0,
             "tokens_per_s": tokens / (t1 - t0),
+            "cpu_s": {k: cpu1[k] - cpu0[k] for k in cpu0},
+        }
+
+    return asyncio.run(main())
+
+
+def short_grpcio(spec: dict[str, Any], cpu: Callable[[], dict[str, float]]) -> dict[str, Any]:
+    """``concurrency`` users sending 1-token requests back to back for ``seconds`` (grpcio)."""
+    users, seconds, nonce = spec["concurrency"], spec["seconds"], spec["nonce"]
+
+    async def main() -> dict[str, Any]:
+        client = GrpcioClient(spec)
+        async with client.channel:
+            await client.warm_up()
+            ids = itertools.count()
+            latencies: list[float] = []
+            cpu0, t0 = cpu(), time.perf_counter()
+            deadline = t0 + seconds
+
+            async def user() -> None:
+                while time.perf_counter() < deadline:
+                    t = time.perf_counter()
+                    await client.tokens(f"{nonce}-{next(ids)}", 1)
+                    latencies.append(time.perf_counter() - t)
+
+            await asyncio.gather(*(user() for _ in range(users)))
+            t1, cpu1 = time.perf_counter(), cpu()
+        return {
+            "concurrency": users,
+            "requests": len(latencies),
+            "completed": len(latencies),
+            "seconds": t1 - t0,
+            "requests_per_s": len(latencies) / (t1 - t0),
+            "latency_ms": stats.summary(latencies, 1000),
             "cpu_s": {k: cpu1[k] - cpu0[k] for k in cpu0},
         }
 

@@ -67,7 +67,18 @@ def north_request(spec: dict[str, Any], max_tokens: int, **mock: Any) -> dict[st
 class StreamState:
     """What the reader learns about one stream."""
 
-    __slots__ = ("done", "end_ns", "error", "id", "outcome", "recv_ns", "sent_ns", "stamps", "tokens")
+    __slots__ = (
+        "done",
+        "end_ns",
+        "error",
+        "first_ns",
+        "id",
+        "outcome",
+        "recv_ns",
+        "sent_ns",
+        "stamps",
+        "tokens",
+    )
 
     def __init__(self, sid: int, *, event: bool = False) -> None:
         self.id = sid
@@ -76,6 +87,7 @@ class StreamState:
         self.error = ""
         self.sent_ns = 0
         self.end_ns = 0
+        self.first_ns = 0
         self.recv_ns: list[int] | None = None
         self.stamps: list[str] | None = None
         self.done = trio.Event() if event else None
@@ -151,6 +163,7 @@ class NorthConn:
                 return
             st.tokens += 1
             if st.tokens == 1:
+                st.first_ns = time.time_ns()
                 self.tracker.first_tokens += 1
                 self.tracker.poke()
             if self.record:

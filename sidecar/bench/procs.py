@@ -45,9 +45,10 @@ Proc = ChildProcess
 
 
 @asynccontextmanager
-async def spawn(name: str, argv: list[str]) -> AsyncIterator[Proc]:
-    """Run ``argv`` with its stderr collected; SIGTERM (then SIGKILL after 15 s) on exit."""
-    async with spawn_child(argv, name=name, term_timeout=15, keep_lines=400) as proc:
+async def spawn(name: str, argv: list[str], env: dict[str, str] | None = None) -> AsyncIterator[Proc]:
+    """Run ``argv`` (``env`` added to ours) with its stderr collected; SIGTERM (then SIGKILL
+    after 15 s) on exit."""
+    async with spawn_child(argv, name=name, env=env, term_timeout=15, keep_lines=400) as proc:
         yield proc
 
 
@@ -96,14 +97,16 @@ class Sidecar:
 
 
 @asynccontextmanager
-async def sidecar(engine_address: str, *extra: str, command: Sequence[str] = ()) -> AsyncIterator[Sidecar]:
+async def sidecar(
+    engine_address: str, *extra: str, command: Sequence[str] = (), env: dict[str, str] | None = None
+) -> AsyncIterator[Sidecar]:
     """``openengine-sidecar run`` in front of the engine, on ephemeral ports, high stream limits.
 
     ``command`` replaces ``python -m sidecar`` (e.g. a script that patches the sidecar before
     running its CLI, to measure a change against the same anchors)."""
     argv = [*(command or (sys.executable, "-m", "sidecar")), *loopback_run_args(engine_address)]
     argv += ["--max-streams", "50000", "--max-streams-per-connection", "50000", *extra]
-    async with spawn("sidecar", argv) as proc:
+    async with spawn("sidecar", argv, env) as proc:
         m = await wait_ready(proc, SIDECAR_READY)
         yield Sidecar(proc, m.group(1), m.group(2))
 

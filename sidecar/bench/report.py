@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from sidecar.bench.stats import fmt
@@ -57,14 +58,23 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         )
     short = results.get("short")
     if short and "sidecar" in short:
-        s, e = short["sidecar"], short.get("engineclient", {})
+        s, e, g = short["sidecar"], short.get("engineclient", {}), short.get("grpcio", {})
         out.append(
             (
                 f"short requests/s (1 token, {short['config']['concurrency']} clients)",
                 fmt(s["requests_per_s"]),
                 fmt(e.get("requests_per_s", math.nan)),
-                "",
+                fmt(g.get("requests_per_s", math.nan)),
                 _times(short.get("ratio_vs_engineclient")),
+            )
+        )
+        out.append(
+            (
+                "CPU µs per short request: sidecar process | client",
+                fmt(s.get("cpu_us_per_request", math.nan)),
+                fmt(e.get("cpu_us_per_request", math.nan)),
+                fmt(g.get("cpu_us_per_request", math.nan)),
+                _times(short.get("cpu_per_request_vs_grpcio"), " grpcio"),
             )
         )
     lat = results.get("latency")
@@ -139,17 +149,115 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     return out
 
 
-def render_table(results: dict[str, Any]) -> str:
-    header = ("metric", "via sidecar", "EngineClient", "grpcio+upb", "sidecar vs direct")
-    body = rows(results)
-    if not body:
-        return "(no results)"
-    widths = [max(len(r[i]) for r in [header, *body]) for i in range(5)]
+def _table(header: tuple[str, ...], body: Sequence[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
     lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |"]
     lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for r in body:
         lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |")
     return "\n".join(lines)
+
+
+def burst_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
+    """(streams at once, client, TTFT p50 / p99 ms, added p50 / p99 ms, sidecar CPU µs/request)."""
+    burst = results.get("burst")
+    out: list[tuple[str, str, str, str, str]] = []
+    for size, fig in (burst or {}).get("sizes", {}).items():
+        ref = fig.get("reference", "")
+        for kind, f in fig["clients"].items():
+            t, a = f["ttft_ms"], f.get("added_ttft_ms")
+            out.append(
+                (
+                    size,
+                    kind + (" (reference)" if kind == ref else ""),
+                    f"{_ms(t['p50'])} / {_ms(t['p99'])}",
+                    f"{_ms(a['p50'], True)} / {_ms(a['p99'], True)}" if a else "",
+                    fmt(f.get("sidecar_cpu_us_per_request"), 0) if "sidecar_cpu_us_per_request" in f else "",
+                )
+            )
+    return out
+
+
+def fleet_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
+    """(metric, run --dynamo, anchor worker, dynamo.mocker, sidecar vs anchor)."""
+    dyn = results.get("dynamo")
+    if not dyn or "skipped" in dyn:
+        return []
+    s, a, m = dyn.get("sidecar", {}), dyn.get("anchor", {}), dyn.get("mocker", {})
+    r = dyn.get("ratios", {})
+
+    def row(label: str, key: str, digits: int, vs: str) -> tuple[str, str, str, str, str]:
+        return (
+            label,
+            fmt(s.get(key, math.nan), digits),
+            fmt(a.get(key, math.nan), digits),
+            fmt(m.get(key, math.nan), digits),
+            vs,
+        )
+
+    cfg = dyn["config"]
+    gap = r.get("ttft_p50_minus_anchor_ms")
+    return [
+        row(
+            f"output tokens/s ({cfg['requests']} x {cfg['tokens']}, concurrency {cfg['concurrency']})",
+            "tokens_per_s",
+            0,
+            _times(r.get("tokens_per_s_vs_anchor")),
+        ),
+        row("requests/s", "requests_per_s", 1, ""),
+        row("TTFT p50 ms", "ttft_p50_ms", 1, "" if gap is None else f"{gap:+.1f} ms"),
+        row("TTFT p90 ms", "ttft_p90_ms", 1, ""),
+        row(
+            "worker CPU µs per output token",
+            "worker_cpu_us_per_token",
+            1,
+            _times(r.get("worker_cpu_per_token_vs_anchor")),
+        ),
+        row(
+            "worker CPU µs per request",
+            "worker_cpu_us_per_request",
+            0,
+            _times(r.get("worker_cpu_per_request_vs_anchor")),
+        ),
+        row("frontend CPU µs per request", "frontend_cpu_us_per_request", 0, ""),
+    ]
+
+
+def render_table(results: dict[str, Any]) -> str:
+    parts = []
+    body = rows(results)
+    if body:
+        parts.append(
+            _table(("metric", "via sidecar", "EngineClient", "grpcio+upb", "sidecar vs direct"), body)
+        )
+    burst = burst_rows(results)
+    if burst:
+        parts.append(
+            _table(
+                (
+                    "burst: streams at once",
+                    "client",
+                    "TTFT p50 / p99 ms",
+                    "added p50 / p99 ms",
+                    "sidecar CPU µs/request",
+                ),
+                burst,
+            )
+        )
+    fleet = fleet_rows(results)
+    if fleet:
+        header = (
+            "Dynamo fleet path",
+            "run --dynamo",
+            "anchor worker",
+            "dynamo.mocker (ceiling)",
+            "sidecar vs anchor",
+        )
+        parts.append(_table(header, fleet))
+    dyn = results.get("dynamo")
+    if dyn and "skipped" in dyn:
+        parts.append(f"dynamo: skipped ({dyn['skipped']})")
+    return "\n\n".join(parts) if parts else "(no results)"
 
 
 def render_goals(goals: list[dict[str, Any]]) -> str:
@@ -164,9 +272,4 @@ def render_goals(goals: list[dict[str, Any]]) -> str:
             value += f" {g['unit']}"
         met = {True: "yes", False: "NO", None: "-"}[g["met"]]
         body.append((g["goal"], value, g["target"], met))
-    widths = [max(len(r[i]) for r in [header, *body]) for i in range(4)]
-    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |"]
-    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for r in body:
-        lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |")
-    return "\n".join(lines)
+    return _table(header, body)

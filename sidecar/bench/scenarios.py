@@ -19,7 +19,7 @@ from typing import Any
 
 import trio
 
-from sidecar.bench import analysis, procs, profile, stats
+from sidecar.bench import analysis, fleet, procs, profile, stats
 from sidecar.bench.config import BenchConfig
 
 
@@ -150,22 +150,92 @@ async def short(b: Bench) -> dict[str, Any]:
         "seconds": c.short_seconds,
         "connections": c.connections,
     }
-    out: dict[str, Any] = {"config": common}
-    for kind in ("sidecar", "engineclient"):
-        await b.settle()
-        res = await procs.run_worker(b.spec(f"short-{kind}", **common))
-        out[kind] = res
-        busy = {k: v / res["seconds"] for k, v in res["cpu_s"].items()}
-        res["cpu_share"] = busy
+    out: dict[str, Any] = {"config": {**common, "rounds": c.short_rounds}}
+    kinds = ["sidecar", "engineclient"] + (["grpcio"] if b.pb2_dir else [])
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
+    for _ in range(c.short_rounds):
+        for kind in kinds:
+            await b.settle()
+            res = await procs.run_worker(b.spec(f"short-{kind}", **common))
+            runs[kind].append(res)
+            busy = {k: v / res["seconds"] for k, v in res["cpu_s"].items()}
+            res["cpu_share"] = busy
+            who = "sidecar" if kind == "sidecar" else "self"
+            b.say(
+                f"  short {kind:<12} {res['requests_per_s']:>8,.0f} req/s  "
+                f"p50 {res['latency_ms']['p50']:.1f} ms  p99 {res['latency_ms']['p99']:.1f} ms  "
+                f"{analysis.per_token_us(res['cpu_s'][who], res['completed']):,.0f} µs CPU/req  "
+                f"(CPU busy: " + ", ".join(f"{k} {v:.0%}" for k, v in busy.items()) + ")"
+            )
+    out.update(analysis.short_figures(runs))
+    out["runs"] = runs
+    return out
+
+
+# --- burst: N streams at the same instant ---------------------------------------------------------
+
+
+def burst_clients(b: Bench) -> dict[str, dict[str, Any]]:
+    """Client kind -> worker spec overrides (the JSON client needs ``websockets``, grpcio its bindings)."""
+    import importlib.util
+
+    kinds: dict[str, dict[str, Any]] = {}
+    if importlib.util.find_spec("websockets") is not None:
+        kinds["json"] = {"mode": "burst-json", "encoding": "json", "coalesce": False}
+    kinds["lean-coalesced"] = {"mode": "burst-lean", "encoding": "msgpack", "coalesce": True}
+    kinds["lean"] = {"mode": "burst-lean", "encoding": "msgpack", "coalesce": False}
+    if b.pb2_dir is not None:
+        kinds["grpcio"] = {"mode": "burst-grpcio"}
+    kinds["engineclient"] = {"mode": "burst-engineclient"}
+    return kinds
+
+
+async def burst(b: Bench) -> dict[str, Any]:
+    c = b.config
+    kinds = burst_clients(b)
+    if "json" not in kinds:
         b.say(
-            f"  short {kind:<12} {res['requests_per_s']:>8,.0f} req/s  "
-            f"p50 {res['latency_ms']['p50']:.1f} ms  p99 {res['latency_ms']['p99']:.1f} ms  "
-            f"(CPU busy: " + ", ".join(f"{k} {v:.0%}" for k, v in busy.items()) + ")"
+            "  burst: the plain JSON client needs the websockets library (pip install -e '.[dev]'); skipped"
         )
-    if "sidecar" in out and "engineclient" in out:
-        out["ratio_vs_engineclient"] = (
-            out["sidecar"]["requests_per_s"] / out["engineclient"]["requests_per_s"]
-        )
+    out: dict[str, Any] = {
+        "config": {
+            "sizes": list(c.burst_sizes),
+            "tokens": c.burst_tokens,
+            "bursts_per_run": c.burst_bursts,
+            "rounds": c.burst_rounds,
+            "connections": c.connections,
+        },
+        "sizes": {},
+    }
+    for size in c.burst_sizes:
+        runs: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
+        for _ in range(c.burst_rounds):
+            for kind, over in kinds.items():
+                await b.settle()
+                spec = b.spec(
+                    over["mode"],
+                    streams=size,
+                    tokens=c.burst_tokens,
+                    bursts=c.burst_bursts,
+                    connections=c.connections,
+                )
+                spec.update(over)
+                runs[kind].append(await procs.run_worker(spec))
+        fig = analysis.burst_figures(runs, size * c.burst_bursts * c.burst_rounds)
+        out["sizes"][str(size)] = fig
+        ref = fig.get("reference", "-")
+        for kind, f in fig["clients"].items():
+            added = f.get("added_ttft_ms")
+            b.say(
+                f"  burst {size:>4} {kind:<15} TTFT p50 {f['ttft_ms']['p50']:7.2f} p99 {f['ttft_ms']['p99']:7.2f} ms"
+                + (f"  added vs {ref} p50 {added['p50']:+7.2f} p99 {added['p99']:+7.2f} ms" if added else "")
+                + f"  completed {f['completed']}/{f['expected']}"
+                + (
+                    f"  sidecar {f['sidecar_cpu_us_per_request']:,.0f} µs/req"
+                    if f.get("sidecar_cpu_us_per_request") is not None
+                    else ""
+                )
+            )
     return out
 
 
@@ -394,9 +464,11 @@ async def drain(b: Bench) -> dict[str, Any]:
 RUNNERS = {
     "relay": relay,
     "short": short,
+    "burst": burst,
     "latency": latency,
     "cancel": cancel,
     "scale": scale,
     "kv": kv,
     "drain": drain,
+    "dynamo": fleet.dynamo,
 }

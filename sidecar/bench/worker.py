@@ -21,7 +21,7 @@ from typing import Any
 
 import trio
 
-from sidecar.bench import direct_load, north_load, stats
+from sidecar.bench import burst_load, direct_load, fleet_load, north_load, stats
 
 
 def _cpu_sampler(pids: dict[str, int]) -> Callable[[], dict[str, float]]:
@@ -57,6 +57,16 @@ TRIO_MODES: dict[str, Any] = {
     "short-engineclient": direct_load.short_engineclient,
     "latency-engineclient": direct_load.latency_engineclient,
     "cancel-engineclient": direct_load.cancel_engineclient,
+    "fleet": fleet_load.fleet,
+    "burst-lean": burst_load.burst_lean,
+    "burst-engineclient": burst_load.burst_engineclient,
+}
+#: Modes on asyncio (grpcio, websockets): plain functions that run their own loop.
+ASYNCIO_MODES: dict[str, Any] = {
+    "relay-grpcio": direct_load.relay_grpcio,
+    "short-grpcio": direct_load.short_grpcio,
+    "burst-grpcio": burst_load.burst_grpcio,
+    "burst-json": burst_load.burst_json,
 }
 ARMED_MODES: dict[str, Any] = {"idle-sidecar": north_load.idle, "drain-sidecar": north_load.drain}
 
@@ -64,8 +74,9 @@ ARMED_MODES: dict[str, Any] = {"idle-sidecar": north_load.idle, "drain-sidecar":
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     mode = spec["mode"]
     cpu = _cpu_sampler({k: int(v) for k, v in spec.get("pids", {}).items()})
-    if mode == "relay-grpcio":
-        return direct_load.relay_grpcio(spec, cpu)
+    if mode in ASYNCIO_MODES:
+        out: dict[str, Any] = ASYNCIO_MODES[mode](spec, cpu)
+        return out
     if mode == "kv":
         from sidecar.bench import kvbench
 

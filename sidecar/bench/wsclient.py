@@ -168,6 +168,14 @@ class WsClient:
             frame = encode_frame(OP_BINARY, payload)
         await self._send_raw(frame)
 
+    async def send_many(self, payloads: list[bytes | str]) -> None:
+        """Send several messages in one write (a client releasing many requests at once)."""
+        frames = [
+            encode_frame(OP_TEXT, p.encode()) if isinstance(p, str) else encode_frame(OP_BINARY, p)
+            for p in payloads
+        ]
+        await self._send_raw(b"".join(frames))
+
     async def _send_raw(self, frame: bytes) -> None:
         if self.closed:
             raise WsError("connection closed")

@@ -1,8 +1,10 @@
 """A smoke run of ``openengine-sidecar bench --quick``: every scenario, tiny sizes, real processes.
 
 It checks the benchmark works end to end (not the figures, which depend on the machine):
-every scenario reports, the relay delivered every token on all three clients, the storm
-leaked nothing, the drain exited cleanly, and the JSON holds the machine description.
+every scenario reports, the relay delivered every token on all three clients, every burst
+client got every stream, the storm leaked nothing, the drain exited cleanly, the fleet path
+served every request through Dynamo's frontend on all three workers, and the JSON holds the
+machine description. The run is shared by the tests of this module.
 """
 
 from __future__ import annotations
@@ -10,28 +12,49 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
+from typing import Any
 
-import trio
+import pytest
+
+from sidecar.bench.config import SCENARIOS
+from tests.dynamo.e2e import require_dynamo
 
 
-async def test_quick_bench_runs_every_scenario(tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
-    with trio.fail_after(240):
-        done = await trio.run_process(
-            [sys.executable, "-m", "sidecar", "bench", "--quick", "--out", str(out)],
-            capture_stdout=True,
-            capture_stderr=True,
-            check=False,
-            stdin=subprocess.DEVNULL,
-        )
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]]:
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "sidecar", "bench", "--quick", "--out", str(out)],
+        capture_output=True,
+        check=False,
+        stdin=subprocess.DEVNULL,
+        timeout=360,
+    )
     stdout = done.stdout.decode()
     assert done.returncode == 0, stdout[-3000:] + done.stderr.decode()[-3000:]
+    return stdout, json.loads(out.read_text())
+
+
+def test_quick_bench_runs_every_scenario(quick_run: tuple[str, dict[str, Any]]) -> None:
+    stdout, doc = quick_run
     assert "| goal" in stdout and "relay tokens/s" in stdout and "[" in stdout.splitlines()[0]
-    doc = json.loads(out.read_text())
     assert doc["errors"] == {}, doc["errors"]
     results = doc["results"]
-    assert set(results) == {"relay", "short", "latency", "cancel", "scale", "kv", "drain"}
+    assert (
+        set(results)
+        == set(SCENARIOS)
+        == {
+            "relay",
+            "short",
+            "burst",
+            "latency",
+            "cancel",
+            "scale",
+            "kv",
+            "drain",
+            "dynamo",
+        }
+    )
 
     relay = results["relay"]
     cfg = relay["config"]
@@ -42,7 +65,20 @@ async def test_quick_bench_runs_every_scenario(tmp_path: Path) -> None:
     assert relay["sidecar"]["sidecar_cpu_us_per_token"] > 0
     assert relay["grpcio"]["client_cpu_us_per_token"] > 0
 
-    assert results["short"]["sidecar"]["completed"] > 0
+    short = results["short"]
+    for kind in ("sidecar", "engineclient", "grpcio"):
+        assert short[kind]["completed"] > 0, kind
+    assert short["cpu_per_request_vs_grpcio"] is None or short["cpu_per_request_vs_grpcio"] > 0
+
+    burst = results["burst"]
+    (size,) = burst["config"]["sizes"]
+    fig = burst["sizes"][str(size)]
+    assert fig["reference"] == "grpcio"
+    assert set(fig["clients"]) == {"json", "lean-coalesced", "lean", "grpcio", "engineclient"}
+    for kind, f in fig["clients"].items():
+        assert f["completed"] == f["expected"] == size, kind
+        assert f["ttft_ms"]["count"] == size, kind
+    assert "burst: streams at once" in stdout
     assert results["latency"]["sidecar"]["oneway_ms"]["count"] > 0
     assert results["latency"]["engineclient"]["oneway_ms"]["count"] > 0
 
@@ -64,3 +100,17 @@ async def test_quick_bench_runs_every_scenario(tmp_path: Path) -> None:
     machine = doc["machine"]
     assert machine["cores"] and machine["python"] and machine["packages"]["trio"]
     assert {g["goal"] for g in doc["goals"]} >= {"relay vs direct EngineClient", "cancel → engine p99"}
+
+
+def test_quick_bench_runs_the_fleet_path(quick_run: tuple[str, dict[str, Any]]) -> None:
+    require_dynamo()  # the dynamo scenario reports "skipped" without the extra
+    stdout, doc = quick_run
+    dyn = doc["results"]["dynamo"]
+    assert "skipped" not in dyn, dyn
+    cfg = dyn["config"]
+    for kind in ("sidecar", "anchor", "mocker"):
+        (run,) = dyn["runs"][kind]
+        assert run["errors"] == 0 and run["completed"] == cfg["requests"], (kind, run)
+        assert run["out_tokens"] == cfg["requests"] * cfg["tokens"], kind
+    assert dyn["ratios"]["ttft_p50_minus_anchor_ms"] is not None
+    assert "Dynamo fleet path" in stdout

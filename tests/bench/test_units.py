@@ -185,11 +185,11 @@ def test_report_renders_partial_results() -> None:
 def test_ratio_with_zero_cpu_is_nan_not_a_crash() -> None:
     import math
 
-    from sidecar.bench.analysis import _ratio
+    from sidecar.bench.analysis import ratio
 
-    assert _ratio(3.0, 2.0) == 1.5
-    assert math.isnan(_ratio(3.0, 0.0))
-    assert math.isnan(_ratio(3.0, math.nan))
+    assert ratio(3.0, 2.0) == 1.5
+    assert math.isnan(ratio(3.0, 0.0))
+    assert math.isnan(ratio(3.0, math.nan))
 
 
 def test_report_renders_unmeasured_ratios_as_dashes() -> None:
