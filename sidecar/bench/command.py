@@ -181,7 +181,8 @@ def _write(path: Path, doc: dict[str, Any], started: float) -> dict[str, Any]:
     "profile_dir",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
-    help="Also profile the sidecar (py-spy) during one extra relay round; write here.",
+    help="Also profile (py-spy) the sidecar during one extra round of relay, short and burst, and the "
+    "Dynamo workers during one extra dynamo round each; write the collapsed stacks here.",
 )
 def bench(**kw: Any) -> None:
     """Measure what the sidecar costs per token, per request and per stream."""

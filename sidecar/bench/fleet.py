@@ -172,6 +172,7 @@ async def dynamo(b: Any) -> dict[str, Any]:
         b.say(f"  dynamo: {notes[-1]}")
     load = {"requests": c.dynamo_requests, "concurrency": c.dynamo_concurrency, "tokens": c.dynamo_tokens}
     rounds: dict[str, list[dict[str, Any]]] = {k: [] for k in names}
+    profiles: dict[str, Any] = {}
     async with frontend(env) as (fe, url), workers(b, env, tok, names) as procs_by_kind:
 
         async def listed() -> bool:
@@ -192,7 +193,17 @@ async def dynamo(b: Any) -> dict[str, Any]:
                     f"{_us(res['cpu_s']['worker'], res['out_tokens']):.1f} µs/tok "
                     f"{_us(res['cpu_s']['worker'], res['completed']):,.0f} µs/req  errors {res['errors']}"
                 )
+        if c.profile_dir is not None:
+            from sidecar.bench.scenarios import profile_round
+
+            for kind in ("sidecar", "anchor"):
+                if kind in names:
+                    pids = {"worker": procs_by_kind[kind].pid, "frontend": fe.pid, "engine": b.engine.pid}
+                    spec = {"mode": "fleet", "url": url, "model": names[kind], "pids": pids, **load}
+                    profiles[kind] = await profile_round(b, f"{kind}-dynamo", procs_by_kind[kind].pid, spec)
     out = fleet_figures(rounds)
+    if profiles:
+        out["profile"] = profiles
     out["config"] = {**load, "rounds": c.dynamo_rounds, "names": names}
     out["notes"] = notes
     out["runs"] = rounds

@@ -112,19 +112,25 @@ async def relay(b: Bench) -> dict[str, Any]:
 
 
 async def _profile_relay(b: Bench, common: dict[str, Any]) -> dict[str, Any]:
-    """One extra (uncounted) through-sidecar round with py-spy sampling the sidecar."""
+    """One extra (uncounted) through-sidecar relay round with py-spy sampling the sidecar."""
+    return await profile_round(b, "sidecar-relay", b.sidecar.proc.pid, b.spec("relay-sidecar", **common))
+
+
+async def profile_round(b: Bench, name: str, pid: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """One extra (uncounted) worker run of ``spec`` with py-spy sampling process ``pid``; the
+    collapsed stacks go to ``<profile dir>/<name>.txt`` and a summary into the results."""
     c = b.config
     assert c.profile_dir is not None
     c.profile_dir.mkdir(parents=True, exist_ok=True)
-    raw = c.profile_dir / "sidecar-relay.txt"
+    raw = c.profile_dir / f"{name}.txt"
     await b.settle()
-    spy = profile.record(b.sidecar.proc.pid, 3600, raw, rate=100)
+    spy = profile.record(pid, 3600, raw, rate=100)
     if spy is None:
         b.say("  profile: py-spy not found (pip install py-spy); skipped")
         return {"error": "py-spy not installed"}
     try:
         await trio.sleep(1)  # py-spy attaches
-        res = await procs.run_worker(b.spec("relay-sidecar", **common))
+        res = await procs.run_worker(spec, timeout=900)
     finally:
         spy.send_signal(signal.SIGINT)
         with trio.move_on_after(30):
@@ -134,10 +140,11 @@ async def _profile_relay(b: Bench, common: dict[str, Any]) -> dict[str, Any]:
     if not raw.exists():
         return {"error": "py-spy wrote no profile (ptrace permission?)"}
     summary = profile.summarize(raw.read_text(), top=40)
-    b.say(f"  profile of the sidecar ({res['tokens_per_s']:,.0f} tok/s while sampled) -> {raw}")
+    b.say(f"  profile of {name} -> {raw}")
     for line in profile.render(summary, 15).splitlines():
         b.say("    " + line)
-    return {"file": str(raw), "tokens_per_s_while_sampled": res["tokens_per_s"], **summary}
+    keep = {k: res[k] for k in ("tokens_per_s", "requests_per_s") if k in res}
+    return {"file": str(raw), "while_sampled": keep, **summary}
 
 
 # --- short requests --------------------------------------------------------------------------------
@@ -169,6 +176,10 @@ async def short(b: Bench) -> dict[str, Any]:
             )
     out.update(analysis.short_figures(runs))
     out["runs"] = runs
+    if c.profile_dir is not None:
+        out["profile"] = await profile_round(
+            b, "sidecar-short", b.sidecar.proc.pid, b.spec("short-sidecar", **common)
+        )
     return out
 
 
@@ -222,6 +233,10 @@ async def burst(b: Bench) -> dict[str, Any]:
                 spec.update(over)
                 runs[kind].append(await procs.run_worker(spec))
         fig = analysis.burst_figures(runs, size * c.burst_bursts * c.burst_rounds)
+        if c.profile_dir is not None and "json" in kinds:
+            spec = b.spec("burst-json", streams=size, tokens=c.burst_tokens, bursts=c.burst_bursts)
+            spec.update(kinds["json"], connections=c.connections)
+            fig["profile"] = await profile_round(b, f"sidecar-burst{size}", b.sidecar.proc.pid, spec)
         out["sizes"][str(size)] = fig
         ref = fig.get("reference", "-")
         for kind, f in fig["clients"].items():
