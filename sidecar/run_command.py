@@ -39,6 +39,7 @@ from sidecar.kvbridge import KvBridgeConfig, KvConfigError, KvSourceError, run_k
 from sidecar.kvbridge.options import kv_bridge_config, kv_bridge_options
 from sidecar.north.http import build_app
 from sidecar.north.http_server import HttpLimits, serve_http
+from sidecar.north.limit_options import apply_limit_options, limit_options
 from sidecar.north.ws_server import WS_PATH, NorthPlane, WsConfig
 from sidecar.openengine.client import open_engine_client
 from sidecar.openengine.errors import EngineConfigError
@@ -286,6 +287,7 @@ async def _drain_on_signal(sidecar: Sidecar, signals: Any) -> None:
     show_default=True,
     help="With --auth-token-file: leave /health and /ready open.",
 )
+@limit_options
 @kv_bridge_options
 @dynamo_options
 def run(**opts: Any) -> None:
@@ -319,6 +321,7 @@ def run(**opts: Any) -> None:
         stall_timeout=opts["stall_timeout"],
         auth_token=token,
     )
+    apply_limit_options(opts, ws, config)
     ready_file = Path(opts["ready_file"]) if opts["ready_file"] else None
     if bool(opts["tls_cert"]) != bool(opts["tls_key"]):
         raise click.BadParameter("give both --tls-cert and --tls-key", param_hint="--tls-cert")

@@ -70,6 +70,7 @@ from sidecar.core.errors import invalid_argument, model_not_found, role_mismatch
 from sidecar.core.handoff import check_decode_session, check_prefill_session
 from sidecar.core.metadata import NormalizedMetadata, normalize_metadata
 from sidecar.openengine import pb
+from sidecar.quoting import quote
 
 __all__ = ["MEDIA_OPTION_KEYS", "Admitted", "admit"]
 
@@ -112,12 +113,12 @@ def _resolve(
     resolved = card.resolve(name)
     if resolved is None:
         served = ", ".join(card.served_model_names) or "none"
-        model_not_found(f"model {name!r} is not served by this worker (serves: {served})")
+        model_not_found(f"model {quote(name)} is not served by this worker (serves: {served})")
     lora = resolved.lora
     if lora is not None:
         if request.lora_name and request.lora_name != lora.lora_name:
             invalid_argument(
-                f"model {name!r} names adapter {lora.lora_name!r} but lora_name is {request.lora_name!r}"
+                f"model {quote(name)} names adapter {quote(lora.lora_name)} but lora_name is {quote(request.lora_name)}"
             )
         rewrite["model"] = resolved.model.served_model_name
         rewrite["lora_name"] = lora.lora_name
@@ -135,7 +136,9 @@ def _check_lora(request: pb.GenerateRequest, model: ModelCard, card: WorkerCard)
         unsupported("this worker's loaded LoRA adapters are unknown (ListLoras unavailable)")
     lora = card.lora_named(name)
     if lora is None or lora.base_model != model.served_model_name:
-        model_not_found(f"LoRA adapter {name!r} is not loaded for model {model.served_model_name!r}")
+        model_not_found(
+            f"LoRA adapter {quote(name)} is not loaded for model {quote(model.served_model_name)}"
+        )
     return lora
 
 
@@ -374,7 +377,7 @@ def _check_media(request: pb.GenerateRequest, model: ModelCard, role: str) -> No
     if opts is not None and opts.fields:
         for key, val in opts.fields.items():
             if key not in MEDIA_OPTION_KEYS:
-                invalid_argument(f"media_options key {key!r} is not a modality (image, video, audio)")
+                invalid_argument(f"media_options key {quote(key)} is not a modality (image, video, audio)")
             if betterproto2.which_one_of(val, "kind")[0] != "struct_value":
                 invalid_argument(f"media_options.{key} must be an object")
         if mm is None:

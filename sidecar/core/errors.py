@@ -11,6 +11,10 @@ from __future__ import annotations
 from typing import Any, NoReturn
 
 from sidecar.openengine import pb
+from sidecar.quoting import clip
+
+#: Longest rejection message (client values quoted in one are cut shorter: sidecar.quoting).
+MAX_MESSAGE = 1024
 
 __all__ = [
     "DiscoveryError",
@@ -40,6 +44,7 @@ class Rejection(Exception):
     """
 
     def __init__(self, code: pb.ErrorCode, message: str, retryable: bool = False) -> None:
+        message = clip(message, MAX_MESSAGE)
         super().__init__(message)
         self.code = code
         self.message = message

@@ -35,6 +35,7 @@ from sidecar.core.card import KvConnectorCard, WorkerCard
 from sidecar.core.errors import Rejection, invalid_argument, unsupported
 from sidecar.openengine import pb
 from sidecar.openengine.rawfields import WireError, length_delimited, parse_strict
+from sidecar.quoting import quote
 
 __all__ = [
     "KNOWN_HANDOFF_PROFILES",
@@ -113,13 +114,13 @@ def _check_profile_backend(session: pb.KvSessionRef, kv: KvConnectorCard, *, req
             invalid_argument("kv.session has no handoff_profile")
     elif profile != kv.handoff_profile:
         unsupported(
-            f"kv.session handoff_profile {profile!r} does not match this worker's connector "
+            f"kv.session handoff_profile {quote(profile)} does not match this worker's connector "
             f"({kv.handoff_profile!r})"
         )
     backend = session.transfer_backend
     if backend and kv.transfer_backend and backend.casefold() != kv.transfer_backend.casefold():
         unsupported(
-            f"kv.session transfer_backend {backend!r} does not match this worker's connector "
+            f"kv.session transfer_backend {quote(backend)} does not match this worker's connector "
             f"({kv.transfer_backend!r})"
         )
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import random
-import uuid
+import secrets
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +40,7 @@ from sidecar.openengine.errors import (
     EngineTerminalError,
     EngineUnavailable,
 )
+from sidecar.quoting import quote
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,8 @@ class LifecycleConfig:
     max_streams: int = 4096
     error_emit_timeout: float = 1.0
     max_concurrent_aborts: int = 64
+    #: Longest ``request_id`` a client may give (it is echoed in every event of the stream).
+    max_request_id_length: int = 256
 
 
 class StreamSupervisor:
@@ -127,8 +130,9 @@ class StreamSupervisor:
         #: Abort calls in flight at once (a mass disconnect queues here instead of timing out
         #: thousands of concurrent calls on the control channel).
         self._abort_slots = trio.CapacityLimiter(self.config.max_concurrent_aborts)
-        self._id_prefix = uuid.uuid4().hex[:12]
-        self._next_id = 0
+        #: Ids whose Abort is still being retried in the background: not admitted again until
+        #: it is done (a late Abort would end the new stream).
+        self._aborting: set[str] = set()
 
     # -- service ---------------------------------------------------------------------------
 
@@ -142,8 +146,15 @@ class StreamSupervisor:
     # -- admission -------------------------------------------------------------------------
 
     def new_request_id(self) -> str:
-        self._next_id += 1
-        return f"sc-{self._id_prefix}-{self._next_id}"
+        """A sidecar-made request id: 128 random bits (unguessable: a client cannot claim the
+        id another client's request will get), never one in flight here."""
+        while True:
+            request_id = "sc-" + secrets.token_hex(16)
+            if not self._in_use(request_id):
+                return request_id
+
+    def _in_use(self, request_id: str) -> bool:
+        return request_id in self.streams or request_id in self._aborting
 
     def admit(
         self,
@@ -151,10 +162,12 @@ class StreamSupervisor:
         metadata: Sequence[tuple[str, str]] = (),
         wire_request: bytes | None = None,
     ) -> StreamHandle:
-        """Register a stream or raise :class:`Rejection` (DRAINING, OVERLOADED, DUPLICATE_REQUEST).
+        """Register a stream or raise :class:`Rejection` (DRAINING, OVERLOADED, DUPLICATE_REQUEST,
+        INVALID_ARGUMENT for a ``request_id`` over ``max_request_id_length``).
 
-        An empty ``request_id`` is replaced by a sidecar-unique one (``wire_request``, when
-        given, must then already carry it).
+        An empty ``request_id`` is replaced by a sidecar-unique, random one (``wire_request``,
+        when given, must then already carry it). Every admitted stream has its own entry in
+        :attr:`streams` until it ends: two streams never share an id.
         """
         if self.draining:
             raise Rejection(pb.ErrorCode.DRAINING, "the sidecar is draining; send new work elsewhere", True)
@@ -164,11 +177,21 @@ class StreamSupervisor:
                 f"the sidecar is at its limit of {self.config.max_streams} streams",
                 True,
             )
+        limit = self.config.max_request_id_length
+        if len(request.request_id) > limit:
+            raise Rejection(pb.ErrorCode.INVALID_ARGUMENT, f"request_id is longer than {limit} characters")
         if not request.request_id:
             request.request_id = self.new_request_id()
         elif request.request_id in self.streams:
             raise Rejection(
-                pb.ErrorCode.DUPLICATE_REQUEST, f"request_id {request.request_id!r} is already in flight here"
+                pb.ErrorCode.DUPLICATE_REQUEST,
+                f"request_id {quote(request.request_id)} is already in flight here",
+            )
+        elif request.request_id in self._aborting:
+            raise Rejection(
+                pb.ErrorCode.DUPLICATE_REQUEST,
+                f"request_id {quote(request.request_id)} is still being aborted here; retry later",
+                True,
             )
         handle = StreamHandle(request, metadata, wire_request, admitted_at=trio.current_time())
         self.streams[request.request_id] = handle
@@ -255,11 +278,12 @@ class StreamSupervisor:
                             pass
                         except EngineClientError as err:
                             metrics.child(metrics.ABORTS, "failed").inc()
-                            log.warning("abort of %s failed: %s", request_id, err)
+                            log.warning("abort of %s failed: %s", quote(request_id), err)
                             return
                 finally:
                     self._abort_slots.release()
             if self._retry_nursery is not None:
+                self._aborting.add(request_id)
                 self._retry_nursery.start_soon(self._retry_abort, request_id, slot)
             else:
                 metrics.child(metrics.ABORTS, "failed").inc()
@@ -283,6 +307,12 @@ class StreamSupervisor:
         """Retry an Abort in the background within ``abort_retry_window``. ``attempted`` False:
         it never got a slot (a mass disconnect's queue), so its first attempt is no retry: it
         waits for a slot without a backoff pause and is not counted in ``abort_retries``."""
+        try:
+            await self._retry_abort_until_done(request_id, attempted)
+        finally:
+            self._aborting.discard(request_id)
+
+    async def _retry_abort_until_done(self, request_id: str, attempted: bool) -> None:
         deadline = trio.current_time() + self.config.abort_retry_window
         delay = 0.05
         while trio.current_time() < deadline:
@@ -301,10 +331,10 @@ class StreamSupervisor:
                     except _RetryableAbort:
                         continue
                     except EngineClientError as err:
-                        log.warning("abort of %s failed: %s", request_id, err)
+                        log.warning("abort of %s failed: %s", quote(request_id), err)
                         break
         metrics.child(metrics.ABORTS, "failed").inc()
-        log.warning("abort of %s gave up after %.0fs", request_id, self.config.abort_retry_window)
+        log.warning("abort of %s gave up after %.0fs", quote(request_id), self.config.abort_retry_window)
 
 
 class _RetryableAbort(Exception):
@@ -355,7 +385,7 @@ class _Relay:
                     self.outcome = Outcome(REJECTED if before else FAILED, err.code, str(err), err.retryable)
                     return
                 except EngineProtocolError as err:
-                    log.warning("stream %s: %s", h.request_id, err)
+                    log.warning("stream %s: %s", quote(h.request_id), err)
                     self.outcome = Outcome(FAILED, err.code, str(err), err.retryable)
                     return
         if idle.cancelled_caught:

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sidecar.core.errors import invalid_argument
+from sidecar.quoting import quote
 
 __all__ = [
     "OPENENGINE_KEYS",
@@ -58,8 +59,8 @@ INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 _KEY = re.compile(r"[0-9a-z_.\-]+")
 _PRINTABLE = re.compile(r"[\x20-\x7e]*")
-_UINT = re.compile(r"[0-9]+")
-_INT = re.compile(r"-?[0-9]+")
+_UINT = re.compile(r"[0-9]{1,20}")  # digits bounded before int() (Python refuses > 4,300)
+_INT = re.compile(r"-?[0-9]{1,20}")
 _RESERVED = frozenset(
     {
         "te",
@@ -152,19 +153,19 @@ def normalize_metadata(
     total = 0
     for raw_key, value in items:
         if not isinstance(raw_key, str) or not raw_key.isascii():
-            invalid_argument(f"metadata key {raw_key!r} is not an ASCII string")
+            invalid_argument(f"metadata key {quote(raw_key)} is not an ASCII string")
         key = raw_key.lower()
         if not _KEY.fullmatch(key):
-            invalid_argument(f"metadata key {raw_key!r} is not a valid gRPC key (0-9 a-z _ . -)")
+            invalid_argument(f"metadata key {quote(raw_key)} is not a valid gRPC key (0-9 a-z _ . -)")
         if key in seen:
-            invalid_argument(f"metadata key {key!r} is given more than once")
+            invalid_argument(f"metadata key {quote(key)} is given more than once")
         seen.add(key)
         if not isinstance(value, str):
-            invalid_argument(f"metadata value of {key!r} must be a string")
+            invalid_argument(f"metadata value of {quote(key)} must be a string")
         if len(value) > MAX_VALUE_LEN:
-            invalid_argument(f"metadata value of {key!r} is longer than {MAX_VALUE_LEN} characters")
+            invalid_argument(f"metadata value of {quote(key)} is longer than {MAX_VALUE_LEN} characters")
         if not _PRINTABLE.fullmatch(value):
-            invalid_argument(f"metadata value of {key!r} is not printable ASCII")
+            invalid_argument(f"metadata value of {quote(key)} is not printable ASCII")
         total += len(key) + len(value)
         if total > MAX_TOTAL_LEN:
             invalid_argument(f"metadata is larger than {MAX_TOTAL_LEN} bytes")
@@ -174,7 +175,7 @@ def normalize_metadata(
                 invalid_argument(f"{ROUTING_KEY} must not be empty")
         elif key == TARGET_DP_RANK:
             if not _UINT.fullmatch(value) or int(value) > UINT32_MAX:
-                invalid_argument(f"{TARGET_DP_RANK} {value!r} is not a base-10 uint32")
+                invalid_argument(f"{TARGET_DP_RANK} {quote(value)} is not a base-10 uint32")
             rank = int(value)
             if dp_ranks is not None and rank not in dp_ranks:
                 ranks = ", ".join(map(str, dp_ranks))
@@ -183,21 +184,23 @@ def normalize_metadata(
             parsed[key] = rank
         elif key == PRIORITY:
             if not _INT.fullmatch(value) or not INT32_MIN <= int(value) <= INT32_MAX:
-                invalid_argument(f"{PRIORITY} {value!r} is not a base-10 int32")
+                invalid_argument(f"{PRIORITY} {quote(value)} is not a base-10 int32")
             value = str(int(value))
             parsed[key] = int(value)
         elif key == TRACEPARENT:
             if not valid_traceparent(value):
-                invalid_argument(f"traceparent {value!r} is not a valid W3C traceparent")
+                invalid_argument(f"traceparent {quote(value)} is not a valid W3C traceparent")
         elif key == TRACESTATE:
             if not valid_tracestate(value):
                 invalid_argument("tracestate is not a valid W3C tracestate list")
         elif key.startswith("openengine-"):
-            invalid_argument(f"unknown OpenEngine metadata key {key!r} (the openengine- prefix is reserved)")
+            invalid_argument(
+                f"unknown OpenEngine metadata key {quote(key)} (the openengine- prefix is reserved)"
+            )
         elif key.startswith("grpc-") or key.endswith("-bin") or key in _RESERVED:
-            invalid_argument(f"metadata key {key!r} is reserved and cannot be forwarded")
+            invalid_argument(f"metadata key {quote(key)} is reserved and cannot be forwarded")
         elif not allow_application_keys:
-            invalid_argument(f"metadata key {key!r} is not an OpenEngine key")
+            invalid_argument(f"metadata key {quote(key)} is not an OpenEngine key")
         else:
             apps.append(key)
         if key in (ROUTING_KEY, TRACEPARENT, TRACESTATE):

@@ -70,6 +70,13 @@ ENGINE_CHANNELS = Gauge(
 PROTOCOL_ERRORS = Counter(
     "openengine_sidecar_protocol_errors", "Client frames refused as protocol errors.", registry=REGISTRY
 )
+LIMIT_REFUSALS = Counter(
+    "openengine_sidecar_limit_refusals",
+    "Client work refused at a limit (docs/SECURITY.md), by limit: connections, connections_per_peer,"
+    " streams_per_peer, calls_per_connection, client_engine_calls.",
+    ["limit"],
+    registry=REGISTRY,
+)
 LOAD_POLL_ERRORS = Counter("openengine_sidecar_load_poll_errors", "Failed GetLoad polls.", registry=REGISTRY)
 LOAD_ATTRIBUTES_DROPPED = Counter(
     "openengine_sidecar_load_attributes_dropped",

@@ -22,6 +22,7 @@ from sidecar.core import metrics
 from sidecar.core.admission import admit as admit_request
 from sidecar.core.card import WorkerCard, with_loras
 from sidecar.core.discovery import compare_cards, discover, fetch_loras
+from sidecar.core.engine_lane import EngineCallLane
 from sidecar.core.errors import DiscoveryError, Rejection
 from sidecar.core.handoff import KvSessionRelease, abort_kv_session_bytes
 from sidecar.core.health import SERVING_HEALTH, EngineState, HealthStatus, ask_engine, state_name
@@ -30,6 +31,7 @@ from sidecar.core.load import MalformedLoadInfo, attributes_dict, split_load_inf
 from sidecar.openengine import pb
 from sidecar.openengine.client import EngineClient
 from sidecar.openengine.errors import EngineClientError, EngineStatusError
+from sidecar.quoting import quote
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,10 @@ class SidecarConfig:
     lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
     #: ``loadLora`` source paths must lie under this directory (``run --lora-root``); None: anywhere.
     lora_root: str | None = None
+    #: Engine calls made for clients (LoRA, releaseKvSession) at once, and per connection
+    #: (``sidecar.core.engine_lane``; 0: no limit).
+    client_engine_calls: int = 8
+    client_engine_calls_per_connection: int = 4
 
 
 class StartupError(Exception):
@@ -78,6 +84,9 @@ class Sidecar:
         self.engine = engine
         self.config = config or SidecarConfig()
         self.supervisor = StreamSupervisor(engine, self.config.lifecycle)
+        self.lane = EngineCallLane(
+            self.config.client_engine_calls, self.config.client_engine_calls_per_connection
+        )
         self.load = LoadTracker(stale_after=self.config.load_stale_after)
         self.card: WorkerCard | None = None
         self.engine_state: EngineState = "unknown"  # sidecar.core.health's vocabulary
@@ -159,8 +168,9 @@ class Sidecar:
             self._engine_lost.set()  # a transport failure: check the engine now, not at the next tick
         return outcome
 
-    async def call(self, method: str, request: Any) -> Any:
-        """A unary ``call`` of the north protocol; raises :class:`Rejection` on failure."""
+    async def call(self, method: str, request: Any, *, owner: object = None) -> Any:
+        """A unary ``call`` of the north protocol; raises :class:`Rejection` on failure. Calls
+        that reach the engine take a slot of :attr:`lane` (``owner``'s share: its connection)."""
         if method == "describe":
             card = self.current_card()
             if card is None:
@@ -183,12 +193,15 @@ class Sidecar:
             )
             if request == pb.HealthRequest():  # nothing asked of the engine: the last check's view
                 return local
-            return await ask_engine(self.engine, self.card, request, local, self.config.call_timeout)
+            with self.lane.slot(owner):
+                return await ask_engine(self.engine, self.card, request, local, self.config.call_timeout)
         if method in ("listLoras", "loadLora", "unloadLora"):
-            return await self._lora_call(method, request)
+            with self.lane.slot(owner):
+                return await self._lora_call(method, request)
         if method == "releaseKvSession":
-            return await self._release_kv_session(request)
-        raise Rejection(pb.ErrorCode.UNSUPPORTED_FEATURE, f"unknown call method {method!r}")
+            with self.lane.slot(owner):
+                return await self._release_kv_session(request)
+        raise Rejection(pb.ErrorCode.UNSUPPORTED_FEATURE, f"unknown call method {quote(method)}")
 
     async def _release_kv_session(self, request: KvSessionRelease) -> pb.AbortResponse:
         """``releaseKvSession``: ``Abort{kv_session}`` with the client's bytes unchanged, so a
@@ -482,14 +495,14 @@ def _check_lora_adapter(adapter: pb.LoraAdapter | None, root: str | None = None)
     if not path.startswith("/") or path.startswith("//") or os.path.normpath(path) != path:
         raise Rejection(
             pb.ErrorCode.INVALID_ARGUMENT,
-            f"adapter.sourcePath must be an absolute, normalized path, got {path!r}",
+            f"adapter.sourcePath must be an absolute, normalized path, got {quote(path)}",
         )
     if root is not None:
         base = os.path.normpath(root)
         if path == base or os.path.commonpath([base, path]) != base:
             raise Rejection(
                 pb.ErrorCode.INVALID_ARGUMENT,
-                f"adapter.sourcePath {path!r} is not under the LoRA root {base!r}",
+                f"adapter.sourcePath {quote(path)} is not under the LoRA root {quote(base)}",
             )
 
 

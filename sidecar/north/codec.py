@@ -28,9 +28,11 @@ from sidecar.north import wire
 from sidecar.north.kvsession import parse_kv_session, splice_kv_session
 from sidecar.north.pbjson import PbJsonError, decode_base64, message_from_json, message_to_json
 from sidecar.openengine import pb
+from sidecar.quoting import clip
 
 __all__ = [
     "CALL_REQUEST_TYPES",
+    "MAX_ERROR_MESSAGE",
     "CallCommand",
     "CancelCommand",
     "Command",
@@ -65,8 +67,13 @@ class Encoding(enum.Enum):
     MSGPACK = "msgpack"
 
 
+#: Longest ``message`` of an error sent to a client (a longer one is cut): client values quoted
+#: in it are cut shorter still (``sidecar.quoting``), this bounds the rest.
+MAX_ERROR_MESSAGE = 1024
+
+
 class FrameDecodeError(Exception):
-    """The frame is not well-formed JSON / msgpack (or nests too deep): close the socket with 1007."""
+    """The frame is not well-formed JSON / msgpack: close the socket with 1007."""
 
 
 class ProtocolError(Exception):
@@ -86,6 +93,7 @@ class ProtocolError(Exception):
         call: str | int | None = None,
         code: pb.ErrorCode = pb.ErrorCode.INVALID_ARGUMENT,
     ) -> None:
+        message = clip(message, MAX_ERROR_MESSAGE)
         super().__init__(message)
         self.message = message
         self.stream = stream
@@ -186,7 +194,9 @@ def decode_frame(frame: str | bytes) -> Command:
     except msgspec.DecodeError as err:
         raise FrameDecodeError(f"undecodable {encoding.value} frame: {err}") from None
     except RecursionError:
-        raise FrameDecodeError(f"undecodable {encoding.value} frame: nested too deep") from None
+        # well-formed but deeper than the decoder's recursion allows (~900 levels): a typed
+        # answer, the connection goes on (the limit inside ``request`` is pbjson.MAX_DEPTH)
+        raise ProtocolError("invalid message: nested too deep") from None
     except UnicodeEncodeError:  # a str with lone surrogates: not UTF-8 (a WebSocket text frame never is)
         raise FrameDecodeError(f"undecodable {encoding.value} frame: invalid UTF-8") from None
     if type(msg) is wire.Generate:
@@ -512,7 +522,7 @@ def error_body(code: pb.ErrorCode | int | str, message: str = "", retryable: boo
     if not isinstance(code, str):
         name = _ERROR_CODES.get(int(code))
         code = name if isinstance(name, str) else "ERROR_CODE_UNSPECIFIED"
-    return wire.ErrorBody(code=code, message=message, retryable=retryable)
+    return wire.ErrorBody(code=code, message=clip(message, MAX_ERROR_MESSAGE), retryable=retryable)
 
 
 def end_message(stream: str | int, outcome: str, error: wire.ErrorBody | None = None) -> wire.End:

@@ -31,8 +31,16 @@ import betterproto2
 from betterproto2 import casing
 
 from sidecar.openengine import pb
+from sidecar.quoting import quote
 
-__all__ = ["MAX_DEPTH", "PbJsonError", "decode_base64", "message_from_json", "message_to_json"]
+__all__ = [
+    "MAX_DEPTH",
+    "MAX_INT_DIGITS",
+    "PbJsonError",
+    "decode_base64",
+    "message_from_json",
+    "message_to_json",
+]
 
 M = TypeVar("M", bound=betterproto2.Message)
 
@@ -61,7 +69,10 @@ _INT64_TYPES = frozenset(
     }
 )
 _FLOAT32_MAX = 3.4028234663852886e38
-_INT_STRING = re.compile(r"-?[0-9]+")
+#: An integer as a decimal string: at most 20 digits (a uint64 has 20; Python refuses to convert
+#: more than 4,300 and costs quadratic time below that).
+MAX_INT_DIGITS = 20
+_INT_STRING = re.compile(rf"-?[0-9]{{1,{MAX_INT_DIGITS}}}")
 _SPECIAL_FLOATS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
@@ -132,7 +143,11 @@ def _int_reader(proto_type: str) -> _Reader:
         ):
             result = int(value)
         else:
-            raise _fail(path, f"expected an integer (number or decimal string), got {_kind(value)}")
+            raise _fail(
+                path,
+                f"expected an integer (number or decimal string of at most {MAX_INT_DIGITS} digits),"
+                f" got {_kind(value)}",
+            )
         if not lo <= result <= hi:
             raise _fail(path, f"{result} is out of range for {proto_type}")
         return result
@@ -296,7 +311,7 @@ def _map_key_reader(proto_type: str) -> _Reader:
         def read_bool_key(value: Any, path: str, depth: int) -> bool:
             if value in ("true", "false"):
                 return value == "true"
-            raise _fail(path, f"expected a boolean map key, got {value!r}")
+            raise _fail(path, f"expected a boolean map key, got {quote(value)}")
 
         return read_bool_key
     return _int_reader(proto_type)

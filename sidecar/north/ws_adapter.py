@@ -39,6 +39,9 @@ from wsproto import ConnectionType, WSConnection
 from wsproto.connection import ConnectionState
 from wsproto.events import BytesMessage, CloseConnection, Ping, TextMessage
 
+from sidecar.north.peers import Peer, PeerLimits, peer_of
+from sidecar.quoting import quote
+
 log = logging.getLogger(__name__)
 
 #: Seconds the close frame of a failed connection may wait for the socket (behind a write in
@@ -123,7 +126,9 @@ class SidecarWebSocket(WebSocketConnection):
         # A close frame from the peer moves wsproto to REMOTE_CLOSING (or CLOSED) before the
         # event; OPEN means wsproto failed to parse what the peer sent (1002 / 1007).
         if self._wsproto.state is ConnectionState.OPEN:
-            log.debug("%s websocket fault from the client: %s %s", self, event.code, event.reason)
+            log.debug(
+                "%s websocket fault from the client: %s %s", self, event.code, quote(event.reason or "")
+            )
             await self.fail(int(event.code), event.reason or "")
             return
         await super()._handle_close_connection_event(event)
@@ -155,7 +160,7 @@ async def _reader(ws: SidecarWebSocket) -> None:
 
 
 async def serve(
-    handler: Callable[[WebSocketRequest], Awaitable[None]],
+    handler: Callable[[WebSocketRequest, Peer], Awaitable[None]],
     host: str | None,
     port: int,
     ssl_context: Any = None,
@@ -164,11 +169,13 @@ async def serve(
     message_queue_size: int,
     handshake_timeout: float,
     disconnect_timeout: float = 5.0,
+    limits: PeerLimits | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve WebSocket connections of :class:`SidecarWebSocket` until cancelled; ``started``
-    with the listening port. ``handler`` runs once per accepted handshake; whatever it (or
-    the connection) raises is logged and ends that connection only."""
+    with the listening port. ``handler`` runs once per accepted handshake, with the peer read
+    at accept; whatever it (or the connection) raises is logged and ends that connection only.
+    ``limits``: connections over them are refused at accept (``sidecar.north.peers``)."""
     listeners: list[Any]
     if ssl_context is None:
         listeners = list(await trio.open_tcp_listeners(port, host=host))
@@ -178,17 +185,31 @@ async def serve(
         )
 
     async def connection(stream: trio.abc.Stream) -> None:
+        peer = peer_of(stream)
+        refused = limits.connect(peer.key) if limits is not None else None
         try:
-            await _serve_connection(
-                stream,
-                handler,
-                max_message_size=max_message_size,
-                message_queue_size=message_queue_size,
-                handshake_timeout=handshake_timeout,
-                disconnect_timeout=disconnect_timeout,
-            )
-        except Exception:
-            log.exception("websocket connection failed")
+            if refused is not None:
+                assert limits is not None
+                await limits.refuse(stream, peer, refused)
+                return
+
+            async def handle(request: WebSocketRequest) -> None:
+                await handler(request, peer)
+
+            try:
+                await _serve_connection(
+                    stream,
+                    handle,
+                    max_message_size=max_message_size,
+                    message_queue_size=message_queue_size,
+                    handshake_timeout=handshake_timeout,
+                    disconnect_timeout=disconnect_timeout,
+                )
+            except Exception:
+                log.exception("websocket connection from %s failed", peer.address)
+            finally:
+                if limits is not None:
+                    limits.disconnect(peer.key)
         finally:
             await trio.aclose_forcefully(stream)
 

@@ -1,20 +1,27 @@
 """The WebSocket plane: north protocol v1 on ``/v1/ws`` (docs/design/architecture.md, docs/PROTOCOL.md).
 
 Per connection, one nursery holds a reader (this task), a single writer (the only task that
-touches the socket's send side, fed by a bounded channel) and one task per admitted stream.
-A client that stops reading fills the channel; stream tasks then block (back-pressure reaches
-the engine through HTTP/2 flow control); one still blocked after ``stall_timeout`` gets the
-connection closed (1008) and its streams cancelled and aborted. A connection that closes for
-any reason cancels its streams; every admitted stream still gets its upstream closed and its
-Abort sent by :class:`~sidecar.core.lifecycle.StreamSupervisor`.
+touches the socket's send side, fed by a queue bounded in frames and in bytes) and one task per
+admitted stream or ``call``. A client that stops reading fills the queue; stream tasks then
+block (back-pressure reaches the engine through HTTP/2 flow control); one still blocked after
+``stall_timeout`` gets the connection closed (1008) and its streams cancelled and aborted. A
+connection that closes for any reason cancels its streams; every admitted stream still gets its
+upstream closed and its Abort sent by :class:`~sidecar.core.lifecycle.StreamSupervisor`.
+
+Limits a client meets here (docs/SECURITY.md): connections in total and per peer address
+(refused at accept, ``sidecar.north.peers``), streams per connection and per peer, ``call``s in
+flight per connection (more are answered ``OVERLOADED`` at once, never queued), bytes queued
+for the client. Whatever a client controls is quoted (``sidecar.quoting``) in log lines, and a
+repeated event is logged once per connection with its count.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest
@@ -31,6 +38,7 @@ from sidecar.core.lifecycle import (
 from sidecar.north import codec, ws_adapter
 from sidecar.north.auth import bearer_matches
 from sidecar.north.codec import Encoding
+from sidecar.north.peers import Peer, PeerLimits, fit_to_fd_limit
 from sidecar.north.ws_batch import BatchWriter
 from sidecar.openengine import pb
 
@@ -55,8 +63,9 @@ class StreamHost(Protocol):
         self, handle: StreamHandle, emit: Callable[[pb.GenerateResponse], Awaitable[None]]
     ) -> Outcome: ...
 
-    async def call(self, method: str, request: Any) -> Any:
-        """A unary ``call``: returns the result body (dict or pb message) or raises Rejection."""
+    async def call(self, method: str, request: Any, *, owner: object = None) -> Any:
+        """A unary ``call``: returns the result body (dict or pb message) or raises Rejection.
+        ``owner`` (the connection) is whose share of the engine call lane it uses."""
         ...
 
 
@@ -66,13 +75,25 @@ class WsConfig:
 
     max_message_size: int = 4 * 1024 * 1024
     max_streams_per_connection: int = 1024
+    #: ``call`` messages of one connection in progress at once; more are refused (OVERLOADED).
+    max_calls_per_connection: int = 64
+    #: Frames queued for one client (plus the batch being written).
     out_buffer: int = 256
+    #: Bytes queued for one client (characters of a text frame; plus the batch being written;
+    #: a single larger frame is queued when nothing else is).
+    max_pending_bytes: int = 1024 * 1024
     stall_timeout: float = 30.0
     message_queue_size: int = 16
     auth_token: str | None = None
     #: A connection that has not completed its WebSocket handshake by then is closed (a
     #: plaintext client on a TLS port, a client that connects and stays silent).
     handshake_timeout: float = 10.0
+    #: Open connections (0: no limit; lowered to fit the file-descriptor limit at start).
+    max_connections: int = 4096
+    #: Open connections per peer address (0: no limit).
+    max_connections_per_peer: int = 512
+    #: Open streams per peer address, over all its connections (0: no limit).
+    max_streams_per_peer: int = 0
 
 
 class FinalText(str):
@@ -134,13 +155,23 @@ class Connection:
     writer then merges the event frames it finds queued together."""
 
     def __init__(
-        self, ws: WebSocketConnection, host: StreamHost, config: WsConfig, *, coalesce: bool = False
+        self,
+        ws: WebSocketConnection,
+        host: StreamHost,
+        config: WsConfig,
+        *,
+        coalesce: bool = False,
+        peer: Peer | None = None,
+        limits: PeerLimits | None = None,
     ) -> None:
         self.ws = ws
         self.coalesce = coalesce
         self.host = host
         self.config = config
-        self.out_send, self.out_recv = trio.open_memory_channel[str | bytes](config.out_buffer)
+        self.peer = peer or Peer("?", "?")
+        self.limits = limits
+        # unbounded as a channel: send() bounds it by frames and bytes before queueing
+        self.out_send, self.out_recv = trio.open_memory_channel[str | bytes](math.inf)
         self.batch = BatchWriter(ws)
         self.streams: dict[str | int, StreamHandle] = {}
         #: Ids of the calls not answered yet (a call reusing one is refused, see ``id_in_use``).
@@ -151,6 +182,14 @@ class Connection:
         self._running = 0  # stream tasks that have not queued their end yet
         self._all_ended = trio.Event()
         self._all_ended.set()
+        self._calls = 0  # call tasks in progress
+        self._queued_frames = 0
+        self._queued_bytes = 0
+        self._dequeued = trio.Event()  # set (and replaced) whenever the writer takes frames
+        self._waiting = 0  # senders waiting for room in the queue
+        self._stalled = False
+        #: events logged once per connection: cause -> occurrences (the rest summed at the end)
+        self._noted: dict[str, int] = {}
 
     async def serve(self) -> None:
         metrics.CONNECTIONS.inc()
@@ -172,9 +211,19 @@ class Connection:
         finally:
             self.closed = True
             metrics.CONNECTIONS.dec()
+            for cause, count in self._noted.items():
+                if count > 1:
+                    log.warning("client %s: %s %d times on this connection", self.peer.address, cause, count)
             with trio.move_on_after(1) as cleanup:
                 cleanup.shield = True
                 await self.ws.aclose()
+
+    def _note(self, cause: str) -> bool:
+        """Count an event of ``cause``; True the first time on this connection (log it then;
+        the count is logged when the connection ends)."""
+        count = self._noted.get(cause, 0) + 1
+        self._noted[cause] = count
+        return count == 1
 
     # -- sending ---------------------------------------------------------------------------
 
@@ -190,40 +239,74 @@ class Connection:
                         batch.append(receive_nowait())
                     except (trio.WouldBlock, trio.EndOfChannel):
                         break
+                # room for more while this batch is written (it is held until then: at most
+                # twice the queue's bounds in all)
+                self._queued_frames -= len(batch)
+                self._queued_bytes -= sum(map(len, batch))
+                self._wake_senders()
                 await self.batch.send(coalesce_queued(batch) if self.coalesce else batch)
         except ConnectionClosed:
             pass
         finally:
             self.closed = True
+            self._wake_senders()
             self._writer_done.set()
             self._scope.cancel()
+
+    def _wake_senders(self) -> None:
+        if self._waiting:
+            self._dequeued.set()
+            self._dequeued = trio.Event()
+
+    def _has_room(self, size: int) -> bool:
+        queued = self._queued_bytes
+        return self._queued_frames < self.config.out_buffer and (
+            not queued or queued + size <= self.config.max_pending_bytes
+        )
 
     async def send(self, frame: str | bytes) -> None:
         """Queue a frame; raise ClientGone if the client left or stayed stuck past stall_timeout."""
         if self.closed:
             raise ClientGone
+        size = len(frame)
+        if not self._has_room(size):
+            self._waiting += 1
+            try:
+                with trio.move_on_after(self.config.stall_timeout):
+                    while not self._has_room(size) and not self.closed:
+                        await self._dequeued.wait()
+            finally:
+                self._waiting -= 1
+            if self.closed:
+                raise ClientGone
+            if not self._has_room(size):
+                await self._stalled_client()
         try:
             self.out_send.send_nowait(frame)
-            return
-        except trio.WouldBlock:
-            pass
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             raise ClientGone from None
-        with trio.move_on_after(self.config.stall_timeout) as stall:
-            try:
-                await self.out_send.send(frame)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                raise ClientGone from None
-        if stall.cancelled_caught:
+        self._queued_frames += 1
+        self._queued_bytes += size
+
+    async def _stalled_client(self) -> NoReturn:
+        """A sender waited ``stall_timeout`` for room: close the connection (once, one log
+        line however many senders were waiting), raise ClientGone."""
+        if not self._stalled:
+            self._stalled = True
             log.warning(
-                "client %s stalled for %.0fs: disconnecting", self.ws.remote, self.config.stall_timeout
+                "client %s stalled for %.0fs: disconnecting (%d frames, %d bytes queued; %d senders waiting)",
+                self.peer.address,
+                self.config.stall_timeout,
+                self._queued_frames,
+                self._queued_bytes,
+                self._waiting + 1,
             )
             # The write in progress stops at the end of its current frame (ws_batch), so the
             # close frame queues only behind the kernel's buffers: a client that wakes up
             # within the grace reads what was on its way, then the close frame.
             self.batch.interrupt()
             await self._close(CLOSE_POLICY, "client stalled", grace=STALL_CLOSE_GRACE)
-            raise ClientGone
+        raise ClientGone
 
     async def send_final(self, frame: str | bytes) -> None:
         """Send an ``end``/``result``/``protocol_error``: never raises (dropped when the
@@ -245,6 +328,7 @@ class Connection:
         """Close with ``code`` (shielded, at most ``grace`` seconds; then the TCP connection is
         dropped and the peer sees 1006)."""
         self.closed = True
+        self._wake_senders()
         with trio.move_on_after(grace) as scope:
             scope.shield = True
             await self.ws.aclose(code, reason)
@@ -274,6 +358,16 @@ class Connection:
                     reply = codec.id_in_use(call=err.call)
                 await self.send_final(codec.encode(reply, enc))
                 continue
+            except Exception:  # a decoder bug: this frame is refused, nothing else is affected
+                metrics.PROTOCOL_ERRORS.inc()
+                if self._note("frames the decoder failed on"):
+                    log.exception("client %s: the decoder failed on a frame", self.peer.address)
+                enc = Encoding.JSON if isinstance(frame, str) else Encoding.MSGPACK
+                reply = codec.error_reply(
+                    codec.ProtocolError("invalid message: the sidecar could not decode it")
+                )
+                await self.send_final(codec.encode(reply, enc))
+                continue
             if isinstance(cmd, codec.GenerateCommand):
                 if cmd.stream in self.streams:
                     await self._refuse_reused_id(codec.id_in_use(stream=cmd.stream), cmd.encoding)
@@ -286,8 +380,16 @@ class Connection:
                 # cancel of an unknown or finished stream: nothing to do (idempotent, documented)
             elif cmd.call in self.calls:
                 await self._refuse_reused_id(codec.id_in_use(call=cmd.call), cmd.encoding)
+            elif self._calls >= self.config.max_calls_per_connection:
+                metrics.child(metrics.LIMIT_REFUSALS, "calls_per_connection").inc()
+                limit = self.config.max_calls_per_connection
+                error = codec.error_body(
+                    pb.ErrorCode.OVERLOADED, f"at most {limit} calls in progress per connection", True
+                )
+                await self.send_final(codec.encode(codec.result_error(cmd.call, error), cmd.encoding))
             else:
                 self.calls.add(cmd.call)
+                self._calls += 1
                 stream_nursery.start_soon(self._call, cmd)
 
     async def _refuse_reused_id(self, reply: Any, encoding: Encoding) -> None:
@@ -308,9 +410,22 @@ class Connection:
                 cmd, Rejection(pb.ErrorCode.OVERLOADED, f"at most {limit} open streams per connection", True)
             )
             return
+        limits = self.limits
+        if limits is not None and not limits.open_stream(self.peer.key):
+            await self._reject(
+                cmd,
+                Rejection(
+                    pb.ErrorCode.OVERLOADED,
+                    f"at most {limits.max_streams_per_peer} open streams per client address",
+                    True,
+                ),
+            )
+            return
         try:
             handle = self.host.admit(cmd.request, cmd.metadata)
         except Rejection as rejection:
+            if limits is not None:
+                limits.close_stream(self.peer.key)
             await self._reject(cmd, rejection)
             return
         cmd.request = handle.request  # admitted (request_id filled, names resolved)
@@ -333,6 +448,8 @@ class Connection:
                 outcome = await self.host.run_stream(handle, emit)
             finally:
                 del self.streams[stream_id]
+                if self.limits is not None:
+                    self.limits.close_stream(self.peer.key)
             await self.send_final(self._end_frame(stream_id, outcome, encoding))
         finally:
             self._running -= 1
@@ -348,15 +465,18 @@ class Connection:
 
     async def _call(self, cmd: codec.CallCommand) -> None:
         try:
-            body = await self.host.call(cmd.method, cmd.request)
-            reply: Any = codec.result_ok(cmd.call, body)
-        except Rejection as rejection:
-            reply = codec.result_error(
-                cmd.call, codec.error_body(rejection.code, rejection.message, rejection.retryable)
-            )
+            try:
+                body = await self.host.call(cmd.method, cmd.request, owner=self)
+                reply: Any = codec.result_ok(cmd.call, body)
+            except Rejection as rejection:
+                reply = codec.result_error(
+                    cmd.call, codec.error_body(rejection.code, rejection.message, rejection.retryable)
+                )
+            finally:
+                self.calls.discard(cmd.call)  # answered: the id may be reused (before the client sees it)
+            await self.send_final(codec.encode(reply, cmd.encoding))
         finally:
-            self.calls.discard(cmd.call)  # answered: the id may be reused (before the client sees it)
-        await self.send_final(codec.encode(reply, cmd.encoding))
+            self._calls -= 1  # in progress until its answer is queued (a stuck client's pile up)
 
 
 class NorthPlane:
@@ -371,14 +491,18 @@ class NorthPlane:
         self.config = config or WsConfig()
         self.ssl_context = ssl_context
         self.connections: set[Connection] = set()
+        self.limits: PeerLimits | None = None
 
     async def serve(
         self, listen_host: str, listen_port: int, *, task_status: Any = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Serve until cancelled; ``task_status.started(port)`` once listening."""
         cfg = self.config
+        self.limits = limits = PeerLimits(
+            fit_to_fd_limit(cfg.max_connections), cfg.max_connections_per_peer, cfg.max_streams_per_peer
+        )
 
-        async def handler(request: WebSocketRequest) -> None:
+        async def handler(request: WebSocketRequest, peer: Peer) -> None:
             if request.path.split("?", 1)[0] != WS_PATH:
                 await request.reject(404, body=b"not found: the north protocol lives at /v1/ws\n")
                 return
@@ -386,7 +510,7 @@ class NorthPlane:
                 await request.reject(401)
                 return
             ws = await request.accept()
-            conn = Connection(ws, self.host, cfg, coalesce=_opted_in(request.path))
+            conn = Connection(ws, self.host, cfg, coalesce=_opted_in(request.path), peer=peer, limits=limits)
             self.connections.add(conn)
             try:
                 await conn.serve()
@@ -401,6 +525,7 @@ class NorthPlane:
             max_message_size=cfg.max_message_size,
             message_queue_size=cfg.message_queue_size,
             handshake_timeout=cfg.handshake_timeout,
+            limits=limits,
             task_status=task_status,
         )
 

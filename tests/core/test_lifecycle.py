@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -287,3 +288,54 @@ async def test_queued_abort_is_not_counted_as_a_retry(
     assert aborts(server) == ["queued"]
     retries = (REGISTRY.get_sample_value("openengine_sidecar_abort_retries_total") or 0.0) - retries_before
     assert retries == 0
+
+
+async def test_sidecar_made_ids_are_random_and_never_collide(
+    supervisor: StreamSupervisor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 15: no counter a client could guess, and a made id is never one in flight (a
+    client that took it first keeps its stream; both stay counted)."""
+    made = {supervisor.admit(request("")).request_id for _ in range(50)}
+    assert len(made) == 50 and all(re.fullmatch(r"sc-[0-9a-f]{32}", rid) for rid in made)
+    claimed = supervisor.admit(request("sc-" + "a" * 32))
+    draws = iter(["a" * 32, "a" * 32, "b" * 32])
+    monkeypatch.setattr("sidecar.core.lifecycle.secrets.token_hex", lambda n: next(draws))
+    fresh = supervisor.admit(request(""))
+    assert fresh.request_id == "sc-" + "b" * 32
+    assert supervisor.streams[claimed.request_id] is claimed and supervisor.streams[fresh.request_id] is fresh
+    assert len(supervisor.streams) == 52
+
+
+async def test_request_id_length_is_bounded(supervisor: StreamSupervisor) -> None:
+    limit = supervisor.config.max_request_id_length
+    supervisor.admit(request("x" * limit))
+    with pytest.raises(Rejection) as long:
+        supervisor.admit(request("y" * (limit + 1) * 4096))
+    assert long.value.code == pb.ErrorCode.INVALID_ARGUMENT and str(limit) in long.value.message
+    assert len(long.value.message) < 100
+
+
+async def test_an_id_still_being_aborted_is_not_admitted_again(
+    server: RunningServer, supervisor: StreamSupervisor
+) -> None:
+    """A late retried Abort would end a new stream that reused the id: refused (retryable)
+    until the Abort is done."""
+    release = trio.Event()
+    answers: list[str] = []
+
+    def abort(r: Any) -> Any:
+        answers.append(r.request_id)
+        if not release.is_set():
+            raise status(Status.UNAVAILABLE, "busy")
+        return pb.AbortResponse(status=pb.AbortStatus.ABORTED)
+
+    server.engine.unary["Abort"] = abort
+    with trio.fail_after(5):
+        await supervisor.abort("again")  # first attempt fails: retried in the background
+        with pytest.raises(Rejection) as busy:
+            supervisor.admit(request("again"))
+        assert busy.value.code == pb.ErrorCode.DUPLICATE_REQUEST and busy.value.retryable
+        release.set()
+        while "again" in supervisor._aborting:  # noqa: ASYNC110 - the retrier runs on its own schedule
+            await trio.sleep(0.01)
+    supervisor.admit(request("again"))

@@ -3,10 +3,12 @@
     .venv/bin/python -m tests.fuzz.harness --seconds 60 [--seed 7] [--max-message-size 65536]
 
 Feeds :class:`tests.fuzz.mutate.FrameFuzzer` frames (mutated JSON / msgpack messages,
-corrupted bytes, invalid UTF-8, deep nesting, oversized and random frames) through exactly
+corrupted bytes, invalid UTF-8, deep nesting, long digit strings and echoed strings, oversized
+and random frames) through exactly
 what the server runs for one message: ``decode_frame``, the typed answer for a
 ``ProtocolError`` (encoded in the frame's encoding), and for a ``generate`` admission against
-worker cards of every engine shape and role. Any other exception is a finding: it is printed
+worker cards of every engine shape and role. Any other exception — or an answer whose message
+is unbounded or carries control characters — is a finding: it is printed
 with the frame that caused it (``repr``, reproducible with the seed) and the exit status is 1.
 Prints a progress line every few seconds and the outcome counts at the end.
 """
@@ -30,6 +32,12 @@ from tests.fuzz.mutate import OP_TEXT, FrameFuzzer
 CARDS = [vllm_card(), vllm_card(R.DECODE), trtllm_card(), sglang_card(R.AGGREGATED), sglang_card(R.PREFILL)]
 
 
+def _bounded(message: str) -> None:
+    """An answer never carries unbounded or unescaped client input (issue 15)."""
+    if len(message) > codec.MAX_ERROR_MESSAGE + 16 or not message.isprintable():
+        raise AssertionError(f"unbounded or unescaped error message: {message[:200]!r}…")
+
+
 def run_one(message: str | bytes, outcomes: collections.Counter[str]) -> None:
     """One message through the server's path; raises only on a finding."""
     encoding = Encoding.JSON if isinstance(message, str) else Encoding.MSGPACK
@@ -39,6 +47,7 @@ def run_one(message: str | bytes, outcomes: collections.Counter[str]) -> None:
         outcomes["close 1007"] += 1
         return
     except codec.ProtocolError as err:
+        _bounded(err.message)
         reply = codec.error_reply(err)
         codec.decode_server_frame(codec.encode(reply, encoding))
         outcomes[f"answer {type(reply).__name__}"] += 1
@@ -53,6 +62,7 @@ def run_one(message: str | bytes, outcomes: collections.Counter[str]) -> None:
                     bytes(admitted.request)
                     outcomes["admitted"] += 1
                 except Rejection as rejection:
+                    _bounded(rejection.message)
                     outcomes[f"rejected {rejection.code.name}"] += 1
         bytes(codec.engine_request(cmd))
     else:

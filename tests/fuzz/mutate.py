@@ -4,7 +4,10 @@ seed, usable against a live sidecar and from ``python -m tests.fuzz.harness``).
 ``FrameFuzzer(seed).frame()`` returns a :class:`Frame`: a WebSocket opcode and payload. Most
 are valid messages (generate / cancel / call) with structural mutations (a node replaced by a
 huge, negative or ill-typed value, deep nesting, unknown keys, keys deleted, ids at and past
-their limits), encoded as JSON text or msgpack binary; some are corrupted at the byte level;
+their limits; along the size dimensions of issue 15: integers as decimal strings of 21 to
+20,000 digits, strings a client controls — request ids, model names, ``type`` and ``method``
+values — from 257 characters to 64 KiB with control characters in them, nesting past the
+decoder's recursion), encoded as JSON text or msgpack binary; some are corrupted at the byte level;
 some are raw: invalid UTF-8 text, random bytes, oversized messages, WebSocket framing errors.
 """
 
@@ -138,6 +141,9 @@ class FrameFuzzer:
                 "NaN",
                 "-Infinity",
                 "18446744073709551616",
+                "9" * r.choice([21, 4_301, 20_000]),  # past int64 / past Python's int() limit
+                "-" + "1" * r.choice([21, 5_000]),
+                ("x\n\x1b[2J" * 20_000)[: r.choice([257, 5_000, 65_536])],  # echoed if it can be
                 "\u202e",
                 [],
                 [1, "a", None],
@@ -183,7 +189,8 @@ class FrameFuzzer:
             elif op == "delete":
                 del parent[last]
             elif op == "insert" and isinstance(parent, dict):
-                parent[r.choice(["bogus", "Stream", "request_id", "max_tokens", "extra"])] = self._junk()
+                key = r.choice(["bogus", "Stream", "request_id", "requestId", "model", "loraName", "extra"])
+                parent[key] = self._junk()
             elif op == "id" and isinstance(msg, dict):
                 msg[r.choice(["stream", "call"])] = r.choice(
                     [-1, "", "y" * 129, 2**53, 1.0, None, [1], True, 7]
@@ -207,8 +214,19 @@ class FrameFuzzer:
             n = self.max_message_size + r.randint(1, 4096)
             return Frame(r.choice([OP_TEXT, OP_BINARY]), b"[" + b"1," * (n // 2) + b"1]", "oversized")
         if roll < 0.10:
-            n = r.choice([40, 300, 5000])
-            return Frame(OP_TEXT, ("[" * n + "]" * n).encode(), "deep")
+            n = r.choice([40, 300, 900, 1_000, 5_000, 100_000])
+            stream = self._stream()
+            kind = r.choice(["top", "json", "msgpack"])
+            if kind == "top":
+                return Frame(OP_TEXT, ("[" * n + "]" * n).encode(), "deep")
+            if kind == "json":  # a generate whose request nests n levels (built as text)
+                head = json.dumps({"type": "generate", "stream": stream, "request": {"prompt": "x"}})[:-2]
+                return Frame(OP_TEXT, (head + ',"extra":' + "[" * n + "]" * n + "}}").encode(), "deep-json")
+            packed = msgspec.msgpack.encode({"type": "generate", "stream": stream})
+            packed = bytes([packed[0] + 1]) + packed[1:] + msgspec.msgpack.encode("request")
+            packed += b"\x82" + msgspec.msgpack.encode("prompt") + msgspec.msgpack.encode("x")
+            packed += msgspec.msgpack.encode("extra") + b"\x91" * n + b"\xc0"
+            return Frame(OP_BINARY, packed, "deep-msgpack")
         if roll < 0.11:
             return Frame(OP_TEXT, b"", "framing", raw=self._bad_framing())
         msg = self.mutate(self.seed_message())

@@ -47,6 +47,8 @@ def check(frame: str | bytes) -> codec.Command | codec.ProtocolError | codec.Fra
     result = decode(frame)  # anything but the two typed errors fails the test here
     enc = Encoding.JSON if isinstance(frame, str) else Encoding.MSGPACK
     if isinstance(result, codec.ProtocolError):
+        # whatever the frame carried, the answer is short and has no control characters
+        assert len(result.message) <= codec.MAX_ERROR_MESSAGE + 16 and result.message.isprintable()
         reply = codec.error_reply(result)
         encoded = codec.encode(reply, enc)
         back = codec.decode_server_frame(encoded)
@@ -150,7 +152,8 @@ def test_numbers_out_of_range_or_negative_counts(value: Any, path: str) -> None:
 @pytest.mark.parametrize("levels", [31, 32, 33, 100, 1000, 100_000])
 def test_deep_nesting(levels: int) -> None:
     """Nesting inside ``request`` is limited (32 levels: ``end rejected``); nesting that the
-    JSON / msgpack decoder itself refuses closes the connection (1007). Never a crash."""
+    JSON / msgpack decoder itself refuses is a ``protocol_error`` (the connection goes on).
+    Never a crash, never a close."""
     for frame in (
         json.dumps({"type": "generate", "stream": 1, "request": {"extra": S.deep(levels, kind="dict")}})
         if levels < 500
@@ -165,6 +168,65 @@ def test_deep_nesting(levels: int) -> None:
     ):
         result = check(frame)
         assert not isinstance(result, codec.GenerateCommand) or levels <= 32, (levels, frame[:40])
+        assert not isinstance(result, codec.FrameDecodeError), (levels, frame[:40])
+
+
+_INT_FIELDS = [
+    ("stopping", "maxTokens"),
+    ("stopping", "minTokens"),
+    ("sampling", "seed"),
+    ("sampling", "topK"),
+    ("response", "outputCandidates"),
+]
+
+
+@FAST
+@given(
+    st.integers(min_value=1, max_value=20_000),
+    st.sampled_from(_INT_FIELDS),
+    st.booleans(),
+    st.sampled_from(["json", "msgpack"]),
+)
+@example(4_301, ("sampling", "seed"), False, "json")
+@example(21, ("stopping", "maxTokens"), True, "msgpack")
+def test_integer_strings_of_any_length(digits: int, where: tuple[str, str], negative: bool, enc: str) -> None:
+    """An integer as a decimal string of any length: a command (at most 20 digits, in range)
+    or an ``end rejected`` for its stream — never Python's int-conversion ValueError."""
+    outer, inner = where
+    value = ("-" if negative else "") + "7" * digits
+    if inner == "outputCandidates":
+        field: Any = {"topN": value}
+    else:
+        field = value
+    message = {"type": "generate", "stream": 3, "request": {"prompt": "x", outer: {inner: field}}}
+    result = check(json.dumps(message) if enc == "json" else msgspec.msgpack.encode(message))
+    if digits > 20:
+        assert isinstance(result, codec.ProtocolError) and result.stream == 3, result
+
+
+@FAST
+@given(
+    st.sampled_from(["type", "method", "model", "loraName", "requestId", "field", "enum"]),
+    st.integers(min_value=1, max_value=2_000_000),
+    st.sampled_from(["x", "\n", "\x1b[2J", "é"]),
+)
+def test_echoed_strings_of_any_size_are_cut(where: str, size: int, unit: str) -> None:
+    """Strings a client controls, of any size and content, come back (if at all) cut to a
+    bounded, escaped error message (``check`` asserts the bound)."""
+    text = unit * (size // len(unit) or 1)
+    request: dict[str, Any] = {"prompt": "x"}
+    message: dict[str, Any] = {"type": "generate", "stream": 1, "request": request}
+    if where == "type":
+        message["type"] = text
+    elif where == "method":
+        message = {"type": "call", "call": 1, "method": text}
+    elif where == "field":
+        request[text] = 1
+    elif where == "enum":
+        request["media"] = [{"modality": text}]
+    else:
+        request[where] = text
+    check(json.dumps(message))
 
 
 def test_unknown_fields_and_types_are_refused() -> None:

@@ -89,6 +89,8 @@ async def test_limits_duplicates_and_unknown_cancels(aio_loop: Any, tmp_path: Pa
                 str(PER_CONNECTION),
                 "--max-streams",
                 str(SIDECAR_WIDE),
+                "--peer-stream-share",  # both connections are one peer (127.0.0.1)
+                "1",
             ) as sc,
             trio.open_nursery() as nursery,
         ):

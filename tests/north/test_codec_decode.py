@@ -281,17 +281,82 @@ def test_protocol_error_attributed_to_call(pack: Any, frame: Any, code: pb.Error
         "{",
         '{"type":"cancel","stream":1}x',
         '{"type":"cancel","stream":"\\ud800"}',
-        '{"type":"generate","stream":1,"request":{"extra":' + "[" * 100_000 + "]" * 100_000 + "}}",
         b"",
         b"\xc1",
         msgspec.msgpack.encode({"type": "cancel", "stream": 1}) + b"\x00",
         b"\x82\xa4type\xa6cancel\xa6stream\xa2\xff\xfe",  # invalid UTF-8 in a msgpack str
-        b"\x83\xa4type\xa8generate\xa6stream\x01\xa7request\x81\xa5extra" + b"\x91" * 100_000 + b"\xc0",
     ],
 )
 def test_undecodable(frame: str | bytes) -> None:
     with pytest.raises(FrameDecodeError):
         decode_frame(frame)
+
+
+def deep_generate(encoding: str, depth: int) -> str | bytes:
+    """A ``generate`` whose ``request.extra`` nests ``depth`` arrays."""
+    if encoding == "json":
+        return '{"type":"generate","stream":1,"request":{"extra":' + "[" * depth + "]" * depth + "}}"
+    return b"\x83\xa4type\xa8generate\xa6stream\x01\xa7request\x81\xa5extra" + b"\x91" * depth + b"\xc0"
+
+
+@pytest.mark.parametrize("encoding", ["json", "msgpack"])
+@pytest.mark.parametrize("depth", [1_000, 100_000])
+def test_nesting_past_the_decoder_is_a_protocol_error(encoding: str, depth: int) -> None:
+    """Well-formed but deeper than the decoder recurses: a typed ``protocol_error`` (the
+    connection goes on), not a close 1007 (issue 15)."""
+    with pytest.raises(ProtocolError) as info:
+        decode_frame(deep_generate(encoding, depth))
+    assert "nested too deep" in info.value.message
+    assert isinstance(codec.error_reply(info.value), wire.ProtocolErrorMessage)
+
+
+@pytest.mark.parametrize("pack", [as_json, as_msgpack])
+@pytest.mark.parametrize(
+    "where",
+    [
+        lambda v: {"stopping": {"maxTokens": v}},
+        lambda v: {"sampling": {"seed": v}},
+        lambda v: {"tokenIds": {"ids": [1, v]}},
+    ],
+)
+@pytest.mark.parametrize("digits", [21, 4_301, 100_000])
+def test_integer_strings_longer_than_20_digits_are_refused(pack: Any, where: Any, digits: int) -> None:
+    """A decimal-string integer of any length gets a typed ``end rejected`` (Python refuses to
+    convert more than 4,300 digits: that ValueError used to end the connection, issue 15)."""
+    request = {"model": "m", **where("9" * digits)}
+    with pytest.raises(ProtocolError) as info:
+        decode_frame(pack({"type": "generate", "stream": 7, "request": request}))
+    assert info.value.stream == 7 and "at most 20 digits" in info.value.message
+    assert len(info.value.message) < 400
+
+
+def test_twenty_digits_still_decode() -> None:
+    cmd = decode_frame(
+        as_json({"type": "generate", "stream": 1, "request": {"sampling": {"seed": "18446744073709551615"}}})
+    )
+    assert isinstance(cmd, GenerateCommand) and cmd.request.sampling is not None
+    assert cmd.request.sampling.seed == 2**64 - 1
+
+
+@pytest.mark.parametrize("pack", [as_json, as_msgpack])
+def test_error_messages_never_carry_unbounded_client_input(pack: Any) -> None:
+    """Unknown ``type`` values, unknown methods, model names: cut in the answer (issue 15)."""
+    huge = "x\n" * 500_000
+    frames = [
+        {"type": huge, "stream": 1},
+        {"type": "call", "call": 1, "method": huge},
+        {"type": "generate", "stream": 1, "request": {"prompt": "x", huge: 1}},
+        {"type": "generate", "stream": 1, "request": {"prompt": "x", "stopping": {"maxTokens": huge}}},
+        {"type": "generate", "stream": huge, "request": {}},
+    ]
+    for frame in frames:
+        with pytest.raises(ProtocolError) as info:
+            decode_frame(pack(frame))
+        message = info.value.message
+        assert len(message) <= codec.MAX_ERROR_MESSAGE + 20, len(message)
+        assert "\n" not in message
+        encoded = codec.encode(codec.error_reply(info.value), codec.Encoding.JSON)
+        assert len(encoded) < 2 * codec.MAX_ERROR_MESSAGE
 
 
 def test_same_id_types_are_distinct() -> None:

@@ -30,7 +30,7 @@ async def serving(handler: Handler, **kw: Any) -> AsyncIterator[str]:
     async with trio.open_nursery() as nursery:
         port = await nursery.start(
             lambda task_status: ws_adapter.serve(
-                handler, "127.0.0.1", 0, None, **opts, task_status=task_status
+                lambda request, peer: handler(request), "127.0.0.1", 0, None, **opts, task_status=task_status
             )
         )
         yield f"ws://127.0.0.1:{port}/v1/ws"

@@ -104,7 +104,7 @@ class BurstHost:
             await emit(_token(i))
         return OUTCOME_COMPLETED
 
-    async def call(self, method: str, request: Any) -> Any:
+    async def call(self, method: str, request: Any, *, owner: object = None) -> Any:
         raise Rejection(pb.ErrorCode.UNSUPPORTED_FEATURE, method)
 
 

@@ -51,7 +51,7 @@ class GatedHost:
         await emit(pb.GenerateResponse(request_id="r", token=pb.TokenOutput(output_index=0, text="x")))
         return OUTCOME_COMPLETED
 
-    async def call(self, method: str, request: Any) -> Any:
+    async def call(self, method: str, request: Any, *, owner: object = None) -> Any:
         await self._start(("call", method)).wait()
         return {"method": method}
 

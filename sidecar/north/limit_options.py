@@ -1,0 +1,112 @@
+"""``run`` flags of the limits a client meets (docs/SECURITY.md); each also reads
+``OPENENGINE_SIDECAR_<FLAG>``.
+
+Usage::
+
+    @click.command()
+    @limit_options
+    def run(**opts):
+        ws, config = WsConfig(...), SidecarConfig(...)
+        apply_limit_options(opts, ws, config)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import click
+
+from sidecar.cli_options import option
+from sidecar.core.lifecycle import LifecycleConfig
+from sidecar.core.sidecar import SidecarConfig
+from sidecar.north.ws_server import WsConfig
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_COUNT = click.IntRange(min=0)
+
+_OPTIONS = [
+    option(
+        "--max-connections",
+        type=_COUNT,
+        default=WsConfig.max_connections,
+        show_default=True,
+        help="Open WebSocket connections (more: HTTP 503 at accept; 0: no limit). Lowered to fit"
+        " the file-descriptor limit.",
+    ),
+    option(
+        "--max-connections-per-peer",
+        type=_COUNT,
+        default=WsConfig.max_connections_per_peer,
+        show_default=True,
+        help="Open WebSocket connections per client IP address (IPv6: per /64; 0: no limit).",
+    ),
+    option(
+        "--peer-stream-share",
+        type=click.FloatRange(min=0.0, max=1.0, min_open=True),
+        default=0.5,
+        show_default=True,
+        help="Share of --max-streams one client IP address may hold (1: no per-address limit).",
+    ),
+    option(
+        "--max-calls-per-connection",
+        type=click.IntRange(min=1),
+        default=WsConfig.max_calls_per_connection,
+        show_default=True,
+        help="'call' messages in progress per connection (more: refused OVERLOADED at once).",
+    ),
+    option(
+        "--max-pending-bytes",
+        type=click.IntRange(min=1024),
+        default=WsConfig.max_pending_bytes,
+        show_default=True,
+        help="Bytes queued for one client that reads slower than it is sent to (then its streams wait).",
+    ),
+    option(
+        "--client-engine-calls",
+        type=_COUNT,
+        default=SidecarConfig.client_engine_calls,
+        show_default=True,
+        help="Engine calls made for clients (LoRA, releaseKvSession) at once (more: OVERLOADED; 0: no limit).",
+    ),
+    option(
+        "--client-engine-calls-per-connection",
+        type=_COUNT,
+        default=SidecarConfig.client_engine_calls_per_connection,
+        show_default=True,
+        help="Of --client-engine-calls, at most this many for one connection (0: no limit).",
+    ),
+    option(
+        "--max-request-id-length",
+        type=click.IntRange(min=1),
+        default=LifecycleConfig.max_request_id_length,
+        show_default=True,
+        help="Longest requestId a client may give (echoed in every event).",
+    ),
+]
+
+
+def limit_options(f: F) -> F:
+    """Add the limit flags to a click command."""
+    for decorator in reversed(_OPTIONS):
+        f = decorator(f)
+    return f
+
+
+def apply_limit_options(values: Mapping[str, Any], ws: WsConfig, config: SidecarConfig) -> None:
+    """Set the limits of ``ws`` and ``config`` from a command's parsed flags (``config``'s
+    ``lifecycle.max_streams`` must be set already: the per-peer share is of it)."""
+    max_streams = config.lifecycle.max_streams
+    share = values["peer_stream_share"]
+    ws.max_connections = values["max_connections"]
+    ws.max_connections_per_peer = values["max_connections_per_peer"]
+    ws.max_streams_per_peer = 0 if share >= 1 else max(1, int(max_streams * share))
+    ws.max_calls_per_connection = values["max_calls_per_connection"]
+    ws.max_pending_bytes = values["max_pending_bytes"]
+    config.client_engine_calls = values["client_engine_calls"]
+    config.client_engine_calls_per_connection = values["client_engine_calls_per_connection"]
+    config.lifecycle = dataclasses.replace(
+        config.lifecycle, max_request_id_length=values["max_request_id_length"]
+    )
