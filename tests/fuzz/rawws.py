@@ -42,20 +42,34 @@ class RawWs:
         self._bytes: list[bytes] = []
 
     @classmethod
-    async def connect(cls, url: str, headers: list[tuple[bytes, bytes]] | None = None) -> RawWs:
+    async def connect(
+        cls, url: str, headers: list[tuple[bytes, bytes]] | None = None, *, source: str | None = None
+    ) -> RawWs:
+        """Connect and complete the handshake; ``source``: the local address to connect from
+        (any of 127.0.0.0/8 on loopback: another peer address for the sidecar)."""
         parts = urllib.parse.urlsplit(url)
-        stream = await trio.open_tcp_stream(parts.hostname or "127.0.0.1", parts.port or 80)
-        self = cls(stream)
-        await stream.send_all(
-            self.ws.send(Request(host=parts.netloc, target=parts.path or "/", extra_headers=headers or []))
+        stream = await trio.open_tcp_stream(
+            parts.hostname or "127.0.0.1", parts.port or 80, local_address=source
         )
-        while True:
-            events, _eof = await self._receive()
-            for event in events:
-                if isinstance(event, AcceptConnection):
-                    return self
-                if isinstance(event, RejectConnection):
-                    raise Closed(event.status_code, "handshake rejected")
+        self = cls(stream)
+        try:
+            await stream.send_all(
+                self.ws.send(
+                    Request(host=parts.netloc, target=parts.path or "/", extra_headers=headers or [])
+                )
+            )
+            while True:
+                events, eof = await self._receive()
+                for event in events:
+                    if isinstance(event, AcceptConnection):
+                        return self
+                    if isinstance(event, RejectConnection):
+                        raise Closed(event.status_code, "handshake rejected")
+                if eof:
+                    raise Closed(NO_CLOSE_FRAME, "closed during the handshake")
+        except BaseException:
+            await trio.aclose_forcefully(stream)
+            raise
 
     async def _receive(self) -> tuple[list[Event], bool]:
         """Events from the next chunk of bytes, and whether the server closed TCP."""
