@@ -21,6 +21,7 @@ RANK: dict[str, int] = {
     "cli_options": 0,
     "childproc": 0,
     "sdnotify": 0,
+    "quoting": 0,
     "openengine": 1,
     "version": 2,
     "core": 3,
