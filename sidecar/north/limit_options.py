@@ -51,6 +51,13 @@ _OPTIONS = [
         help="Share of --max-streams one client IP address may hold (1: no per-address limit).",
     ),
     option(
+        "--handshake-timeout",
+        type=click.FloatRange(min=0.1),
+        default=WsConfig.handshake_timeout,
+        show_default=True,
+        help="Seconds a connection may take to complete its WebSocket (and TLS) handshake.",
+    ),
+    option(
         "--max-calls-per-connection",
         type=click.IntRange(min=1),
         default=WsConfig.max_calls_per_connection,
@@ -103,6 +110,7 @@ def apply_limit_options(values: Mapping[str, Any], ws: WsConfig, config: Sidecar
     ws.max_connections = values["max_connections"]
     ws.max_connections_per_peer = values["max_connections_per_peer"]
     ws.max_streams_per_peer = 0 if share >= 1 else max(1, int(max_streams * share))
+    ws.handshake_timeout = values["handshake_timeout"]
     ws.max_calls_per_connection = values["max_calls_per_connection"]
     ws.max_pending_bytes = values["max_pending_bytes"]
     config.client_engine_calls = values["client_engine_calls"]
