@@ -24,6 +24,7 @@ SUBCOMMANDS: dict[str, str] = {
     "mock-engine": "sidecar.mock.command:mock_engine",
     "conformance": "sidecar.conformance.command:conformance",
     "bench": "sidecar.bench.command:bench",
+    "vllm-engine": "sidecar.engines.vllm.command:vllm_engine",
 }
 
 

@@ -33,7 +33,8 @@ def _opt(*decls: str, **kwargs: Any):  # type: ignore[no-untyped-def]
     return option(*decls, **kwargs)
 
 
-def _write_ready(path: str, info: ServingInfo) -> None:
+def write_ready(path: str, info: ServingInfo) -> None:
+    """Write ``info`` (plus this pid) as one JSON line to ``path`` atomically; ``-`` = stdout."""
     data = json.dumps({**info.to_json(), "pid": os.getpid()})
     if path == "-":
         sys.stdout.write(data + "\n")
@@ -155,7 +156,7 @@ def mock_engine(**kw: Any) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await serve_engine(
-            config, stop=stop, on_ready=(lambda info: _write_ready(ready_file, info)) if ready_file else None
+            config, stop=stop, on_ready=(lambda info: write_ready(ready_file, info)) if ready_file else None
         )
 
     try:

@@ -1,0 +1,124 @@
+"""``openengine-sidecar vllm-engine``: stock vLLM (CPU build) behind an OpenEngine v1 server.
+
+Needs the ``vllm`` extra (``scripts/install-vllm``); without it the command exits 1 with that
+reason. Every flag also reads ``OPENENGINE_SIDECAR_VLLM_<FLAG>``. Logs one line when serving
+(``... serving OpenEngine on ADDR; kv events zmq tcp://HOST:PORT``); exits 0 on SIGTERM/SIGINT.
+``--ready-file PATH`` writes the same JSON as ``mock-engine`` once serving. docs/ENGINES.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import signal
+from pathlib import Path
+from typing import Any
+
+import click
+
+from sidecar.cli_options import option
+from sidecar.engines.vllm.config import VllmSettings
+from sidecar.openengine.server import parse_listen
+
+ENV_PREFIX = "OPENENGINE_SIDECAR_VLLM_"
+EXTRA_MISSING = "the 'vllm' extra is not installed (run scripts/install-vllm)"
+
+
+def _opt(*decls: str, **kwargs: Any):  # type: ignore[no-untyped-def]
+    flag = next(d for d in decls if d.startswith("--")).split("/")[0]
+    kwargs.setdefault("envvar", ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper())
+    return option(*decls, **kwargs)
+
+
+def _listen(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    try:
+        parse_listen(value)
+    except ValueError as err:
+        raise click.BadParameter(str(err)) from None
+    return value
+
+
+def _block_size(_ctx: click.Context, _param: click.Parameter, value: int | None) -> int | None:
+    if value is not None and value % 32:
+        raise click.BadParameter(f"{value} is not a multiple of 32 (vLLM's CPU attention needs that)")
+    return value
+
+
+@click.command("vllm-engine")
+@_opt(
+    "--model", required=True, type=click.Path(file_okay=False, path_type=Path), help="Local model directory."
+)
+@_opt(
+    "--build-tiny-model",
+    is_flag=True,
+    help="First build a tiny random-weight Llama in --model unless one is there (sidecar.engines.vllm.tiny_model).",
+)
+@_opt(
+    "--listen",
+    default="127.0.0.1:50051",
+    show_default=True,
+    callback=_listen,
+    help="HOST:PORT or unix:///PATH.",
+)
+@_opt("--served-model-name", "served_model_names", multiple=True, help="Served name; repeat for aliases.")
+@_opt("--dtype", default="auto", show_default=True, help="vLLM --dtype (the tiny model is float32).")
+@_opt("--block-size", type=click.IntRange(32), callback=_block_size, help="KV block size (multiple of 32).")
+@_opt("--max-model-len", type=click.IntRange(2), help="Context length (default: the model's).")
+@_opt("--max-num-seqs", type=click.IntRange(1), help="Running requests per step (vLLM's default).")
+@_opt("--max-num-batched-tokens", type=click.IntRange(1), help="Tokens per step (vLLM's default).")
+@_opt("--kv-cache-gib", type=click.IntRange(1), default=1, show_default=True, help="VLLM_CPU_KVCACHE_SPACE.")
+@_opt("--kv-cache-blocks", type=click.IntRange(1), help="Exact number of KV blocks (overrides the size).")
+@_opt("--prefix-caching/--no-prefix-caching", default=True, show_default=True)
+@_opt("--enforce-eager/--compile", default=True, show_default=True, help="Eager mode starts in seconds.")
+@_opt("--scheduling-policy", type=click.Choice(["fcfs", "priority"]), default="fcfs", show_default=True)
+@_opt("--max-logprobs", type=click.IntRange(0), default=20, show_default=True)
+@_opt("--seed", type=int, default=0, show_default=True)
+@_opt("--kv-events/--no-kv-events", default=True, show_default=True, help="vLLM's ZMQ KV event publisher.")
+@_opt(
+    "--kv-host", default="", help="Routable host advertised for the KV publisher (default: the listen host)."
+)
+@_opt("--kv-port", type=click.IntRange(0, 65535), default=0, show_default=True, help="0 = any free port.")
+@_opt(
+    "--kv-replay-port", type=click.IntRange(0, 65535), default=0, show_default=True, help="0 = any free port."
+)
+@_opt("--kv-topic", default="", help="ZMQ topic of the KV events.")
+@_opt("--kv-buffer-steps", type=click.IntRange(1), default=10_000, show_default=True, help="Replay buffer.")
+@_opt("--instance-id", default="")
+@_opt("--ready-file", default="", help="Write serving info (JSON) here once serving; '-' = stdout.")
+def vllm_engine(**kw: Any) -> None:
+    """Serve stock vLLM (CPU build) as an OpenEngine v1 engine."""
+    if importlib.util.find_spec("vllm") is None:
+        raise click.ClickException(EXTRA_MISSING)
+    model: Path = kw.pop("model")
+    if kw.pop("build_tiny_model"):
+        from sidecar.engines.vllm.tiny_model import build_tiny_model
+
+        try:
+            build_tiny_model(model)
+        except FileExistsError as err:
+            raise click.BadParameter(str(err), param_hint="--model") from None
+    if not (model / "config.json").is_file():
+        raise click.BadParameter(f"{model} has no config.json (a model directory)", param_hint="--model")
+    ready_file = kw.pop("ready_file")
+    settings = VllmSettings(model=str(model), served_model_names=tuple(kw.pop("served_model_names")), **kw)
+
+    from sidecar.engines.vllm.app import serve_vllm
+    from sidecar.mock.command import write_ready
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve_vllm(
+            settings, stop=stop, on_ready=(lambda info: write_ready(ready_file, info)) if ready_file else None
+        )
+
+    try:
+        asyncio.run(main())
+    except OSError as err:
+        raise click.ClickException(f"cannot serve on {settings.listen}: {err}") from None
+
+
+if __name__ == "__main__":  # engine processes are spawned: they re-import the main module
+    vllm_engine()

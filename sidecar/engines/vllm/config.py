@@ -1,0 +1,140 @@
+"""Settings of one ``vllm-engine`` process, and the vLLM engine arguments and environment they make.
+
+I/O-free and vLLM-free except :func:`engine_args` (imports vLLM). The settings are what the
+command line gives; everything the engine reports in discovery comes from vLLM's own resolved
+configuration afterwards (``discovery.py``), never from here.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Environment the adapter sets unless the caller already did: a local model directory needs
+#: no hub, vLLM's usage reporting stays off, and single-node addresses stay on this host.
+DEFAULT_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+}
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    """What ``openengine-sidecar vllm-engine`` was asked to run (see ``command.py`` for each flag)."""
+
+    model: str
+    listen: str = "127.0.0.1:50051"
+    served_model_names: tuple[str, ...] = ()
+    dtype: str = "auto"
+    block_size: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    kv_cache_gib: int = 1
+    kv_cache_blocks: int | None = None
+    prefix_caching: bool = True
+    enforce_eager: bool = True
+    scheduling_policy: str = "fcfs"
+    max_logprobs: int = 20
+    seed: int = 0
+    kv_events: bool = True
+    kv_host: str = ""
+    kv_port: int = 0
+    kv_replay_port: int = 0
+    kv_topic: str = ""
+    kv_buffer_steps: int = 10_000
+    instance_id: str = ""
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def advertised_kv_host(self) -> str:
+        """The routable host of the KV publisher: ``kv_host``, else the listen host when it is one."""
+        if self.kv_host:
+            return self.kv_host
+        host = self.listen.rpartition(":")[0].strip("[]") if not self.listen.startswith("unix:") else ""
+        try:
+            if host and not ipaddress.ip_address(host).is_unspecified:
+                return host
+        except ValueError:
+            return host or "127.0.0.1"
+        return "127.0.0.1"
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on ``host`` right now (the publisher binds it a moment later)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class KvEndpoints:
+    """vLLM's publisher binds (wildcard: vLLM connects to any other tcp address); we advertise host."""
+
+    host: str
+    port: int
+    replay_port: int
+
+    @property
+    def bind(self) -> str:
+        return f"tcp://*:{self.port}"
+
+    @property
+    def replay_bind(self) -> str:
+        return f"tcp://*:{self.replay_port}"
+
+
+def kv_endpoints(settings: VllmSettings) -> KvEndpoints:
+    host = settings.advertised_kv_host()
+    port = settings.kv_port or free_port(host)
+    replay = settings.kv_replay_port or free_port(host)
+    return KvEndpoints(host, port, replay)
+
+
+def apply_env(settings: VllmSettings) -> None:
+    """Set :data:`DEFAULT_ENV` (unless set) and the CPU KV cache size for vLLM's processes."""
+    for key, value in {**DEFAULT_ENV, **settings.extra_env}.items():
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_gib))
+
+
+def engine_args(settings: VllmSettings, kv: KvEndpoints | None) -> Any:
+    """vLLM's ``AsyncEngineArgs`` for ``settings`` (one process, no tensor/data parallelism)."""
+    from vllm.config import KVEventsConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    kwargs: dict[str, Any] = {
+        "model": settings.model,
+        "dtype": settings.dtype,
+        "enforce_eager": settings.enforce_eager,
+        "enable_prefix_caching": settings.prefix_caching,
+        "scheduling_policy": settings.scheduling_policy,
+        "max_logprobs": settings.max_logprobs,
+        "seed": settings.seed,
+        "disable_log_stats": True,  # our own stat logger still receives the scheduler's stats
+    }
+    optional = {
+        "served_model_name": list(settings.served_model_names) or None,
+        "block_size": settings.block_size,
+        "max_model_len": settings.max_model_len,
+        "max_num_seqs": settings.max_num_seqs,
+        "max_num_batched_tokens": settings.max_num_batched_tokens,
+        "num_gpu_blocks_override": settings.kv_cache_blocks,
+    }
+    kwargs.update({k: v for k, v in optional.items() if v is not None})
+    if kv is not None:
+        kwargs["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=kv.bind,
+            replay_endpoint=kv.replay_bind,
+            topic=settings.kv_topic,
+            buffer_steps=settings.kv_buffer_steps,
+        )
+    return AsyncEngineArgs(**kwargs)

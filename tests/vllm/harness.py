@@ -1,0 +1,186 @@
+"""Real vLLM engines for the end-to-end tests: the tiny model, ``vllm-engine`` processes, their load.
+
+An engine start costs 30-90 s of CPU on this machine, so the engines are session fixtures
+(``conftest.py``) shared by every test: :func:`start_engine` runs ``python -m sidecar vllm-engine``
+on a Unix socket, its ready file polled (bounded), its output in a log file; :meth:`VllmProc.stop` sends SIGTERM, then kills the whole process group
+(vLLM's engine-core and worker processes included). Tests must use their own request ids and
+prompts: the engines, and their prefix caches, are shared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from sidecar.openengine import pb
+from sidecar.openengine.client import open_engine_client
+from tests.e2e.harness import eventually
+
+MODEL = "tiny-llama"
+BLOCK = 32
+KV_BLOCKS = 2048
+START_TIMEOUT = 420.0  # a cold start under a loaded 2-core machine
+EXTRA_MISSING = "the 'vllm' extra is not installed (run scripts/install-vllm)"
+
+
+def require_vllm() -> None:
+    """Skip locally without the ``vllm`` extra; fail under CI (scripts/test installs it)."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        if os.environ.get("CI"):
+            pytest.fail(EXTRA_MISSING)
+        pytest.skip(EXTRA_MISSING)
+
+
+def engine_env(tmp: Path) -> dict[str, str]:
+    """vLLM's caches under the test's directory, and quieter logs."""
+    return {
+        **os.environ,
+        "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
+        "VLLM_LOGGING_LEVEL": "WARNING",
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def build_model(root: Path) -> Path:
+    """The tiny model under ``root`` (built in a child process: the test process never imports torch)."""
+    target = root / "tiny-llama"
+    subprocess.run(
+        [sys.executable, "-m", "sidecar.engines.vllm.tiny_model", str(target)],
+        check=True,
+        capture_output=True,
+        env=engine_env(root),
+        timeout=300,
+    )
+    return target
+
+
+@dataclass
+class VllmProc:
+    """A running ``vllm-engine``: its address, ready JSON and log file."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    address: str
+    info: dict[str, Any]
+    log: Path
+    started_in: float
+
+    def tail(self, n: int = 40) -> str:
+        lines = self.log.read_text(errors="replace").splitlines()
+        return "\n".join(line for line in lines[-n:])
+
+    def stop(self, grace: float = 30.0) -> int | None:
+        """SIGTERM, then SIGKILL to the process group after ``grace`` seconds; the exit status."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)  # engine core and worker too
+        except ProcessLookupError:
+            pass
+        if self.process.poll() is None:
+            self.process.wait(10)
+        return self.process.returncode
+
+
+def start_engine(model: Path, tmp: Path, name: str, *args: str) -> VllmProc:
+    """``vllm-engine`` on ``unix://tmp/NAME.sock``; returns once it serves (raises with its log if not)."""
+    sock = tmp / f"{name}.sock"
+    log = tmp / f"{name}.log"
+    ready = tmp / f"{name}.json"
+    argv = [
+        sys.executable,
+        "-m",
+        "sidecar",
+        "vllm-engine",
+        "--model",
+        str(model),
+        "--listen",
+        f"unix://{sock}",
+        "--served-model-name",
+        MODEL,
+        "--dtype",
+        "float32",
+        "--block-size",
+        str(BLOCK),
+        "--kv-cache-blocks",
+        str(KV_BLOCKS),
+        "--max-model-len",
+        "2048",
+        "--instance-id",
+        name,
+        "--ready-file",
+        str(ready),
+        *args,
+    ]
+    started = time.monotonic()
+    with log.open("wb") as log_fh:  # vLLM logs to stdout, we to stderr: one file
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log_fh,
+            stderr=subprocess.STDOUT,
+            env=engine_env(tmp),
+            start_new_session=True,
+        )
+    proc = VllmProc(name, process, "", {}, log, 0.0)
+    # the engine is another process with no event to wait on: poll its ready file, bounded
+    while not ready.exists() and process.poll() is None and time.monotonic() - started < START_TIMEOUT:
+        time.sleep(0.2)
+    if not ready.exists():
+        proc.stop(5)
+        raise RuntimeError(f"vllm-engine {name} did not start in {START_TIMEOUT:.0f} s:\n{proc.tail(60)}")
+    proc.started_in = time.monotonic() - started
+    proc.info = json.loads(ready.read_text())
+    proc.address = proc.info["address"]
+    return proc
+
+
+async def engine_load(address: str) -> pb.LoadInfo:
+    """GetLoad of the engine (needs the ``aio_loop`` fixture)."""
+    async with open_engine_client(address) as client:
+        with trio.fail_after(10):
+            load: pb.LoadInfo = await client.get_load()
+    return load
+
+
+async def attributes(address: str) -> dict[str, Any]:
+    load = await engine_load(address)
+    assert load.attributes is not None
+    return load.attributes.to_dict()
+
+
+async def wait_request_gone(address: str, timeout: float = 15) -> dict[str, Any]:
+    """Once vLLM's own stats show nothing running or waiting and its frontend holds no request:
+    the adapter's attributes then."""
+
+    async def gone() -> dict[str, Any] | None:
+        load = await engine_load(address)
+        attrs = load.attributes.to_dict() if load.attributes is not None else {}
+        idle = (load.running_requests or 0) + (load.queued_requests or 0) == 0
+        return attrs if idle and attrs["vllm_unfinished_requests"] == 0 and attrs["in_flight"] == 0 else None
+
+    result: dict[str, Any] = await eventually(gone, timeout, interval=0.05)
+    return result
+
+
+def token_ids(seed: int, n: int) -> list[int]:
+    """``n`` seeded token ids in 1000-1999: a prompt no other test shares (prefix caches are shared)."""
+    rng = random.Random(seed)
+    return [rng.randrange(1000, 2000) for _ in range(n)]
