@@ -6,6 +6,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 SCENARIOS = ("relay", "short", "burst", "latency", "cancel", "scale", "kv", "drain", "dynamo")
+#: Run only when asked (``--scenarios vllm``): needs the ``vllm`` extra and starts real vLLM.
+OPTIONAL_SCENARIOS = ("vllm",)
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,11 @@ class BenchConfig:
     dynamo_concurrency: int = 16
     dynamo_tokens: int = 64
     dynamo_rounds: int = 3
+    # vllm (optional): greedy streams through the sidecar and direct, in front of real vLLM
+    vllm_streams: int = 8
+    vllm_tokens: int = 128
+    vllm_prompt_tokens: int = 64
+    vllm_rounds: int = 3
     # the engine
     engine_stream_limit: int = 65536
     engine_lean_load: bool = True  # the engine's GetLoad attributes as small as a real engine's
@@ -97,4 +104,7 @@ class BenchConfig:
             dynamo_concurrency=4,
             dynamo_tokens=8,
             dynamo_rounds=1,
+            vllm_streams=2,
+            vllm_tokens=16,
+            vllm_rounds=1,
         )

@@ -20,6 +20,45 @@ def _times(x: float | None, suffix: str = "") -> str:
     return f"{fmt(x, 2)}x{suffix}" if fmt(x) != "-" else "-"
 
 
+def _vllm_rows(v: dict[str, Any] | None) -> list[tuple[str, str, str, str, str]]:
+    """The ``vllm`` scenario: real vLLM through the sidecar vs the direct EngineClient."""
+    if not v or "added" not in v:
+        return []
+    s, d, a, cfg = v["sidecar"], v["direct"], v["added"], v["config"]
+    out = [
+        (
+            f"vLLM tokens/s ({cfg['streams']} x {cfg['tokens']} greedy, {cfg['rounds']} rounds)",
+            fmt(s["tokens_per_s"]),
+            fmt(d["tokens_per_s"]),
+            "",
+            _times(s["tokens_per_s"] / d["tokens_per_s"] if d["tokens_per_s"] else None),
+        )
+    ]
+    for key, label in (("ttft_ms", "vLLM TTFT"), ("itl_ms", "vLLM inter-token gap")):
+        out.append(
+            (
+                f"{label} p50 | p99 ms",
+                f"{_ms(s[key]['p50'])} | {_ms(s[key]['p99'])}",
+                f"{_ms(d[key]['p50'])} | {_ms(d[key]['p99'])}",
+                "",
+                f"{_ms(a[key]['p50'], True)} | {_ms(a[key]['p99'], True)} added",
+            )
+        )
+    cpu_s, cpu_d = s["cpu_us_per_token"], d["cpu_us_per_token"]
+    engine_s = sum(v for k, v in cpu_s.items() if k.startswith("vllm"))
+    engine_d = sum(v for k, v in cpu_d.items() if k.startswith("vllm"))
+    out.append(
+        (
+            "vLLM CPU µs per token: sidecar | client | vLLM",
+            f"{fmt(cpu_s.get('sidecar'), 1)} | {fmt(cpu_s.get('self'), 1)} | {fmt(engine_s, 0)}",
+            f"- | {fmt(cpu_d.get('self'), 1)} | {fmt(engine_d, 0)}",
+            "",
+            "",
+        )
+    )
+    return out
+
+
 def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     """(metric, through the sidecar, direct EngineClient, grpcio + protobuf, sidecar vs direct)."""
     out: list[tuple[str, str, str, str, str]] = []
@@ -94,6 +133,7 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                     f"{_ms(a[key]['p50'], True)} | {_ms(a[key]['p99'], True)} added",
                 )
             )
+    out.extend(_vllm_rows(results.get("vllm")))
     cancel = results.get("cancel")
     if cancel and "sidecar" in cancel:
         s, e = cancel["sidecar"], cancel.get("engineclient")

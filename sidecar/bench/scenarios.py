@@ -476,6 +476,16 @@ async def drain(b: Bench) -> dict[str, Any]:
     return out
 
 
+# --- vllm (optional) -------------------------------------------------------------------------------------
+
+
+async def vllm(b: Bench) -> dict[str, Any]:
+    """The sidecar in front of real vLLM (``sidecar.bench.vllm_bench``; needs the ``vllm`` extra)."""
+    from sidecar.bench.vllm_bench import vllm as run
+
+    return await run(b)
+
+
 RUNNERS = {
     "relay": relay,
     "short": short,
@@ -486,4 +496,5 @@ RUNNERS = {
     "kv": kv,
     "drain": drain,
     "dynamo": fleet.dynamo,
+    "vllm": vllm,
 }

@@ -21,7 +21,7 @@ from typing import Any
 
 import trio
 
-from sidecar.bench import burst_load, direct_load, fleet_load, north_load, stats
+from sidecar.bench import burst_load, direct_load, fleet_load, north_load, stats, vllm_load
 
 
 def _cpu_sampler(pids: dict[str, int]) -> Callable[[], dict[str, float]]:
@@ -60,6 +60,8 @@ TRIO_MODES: dict[str, Any] = {
     "fleet": fleet_load.fleet,
     "burst-lean": burst_load.burst_lean,
     "burst-engineclient": burst_load.burst_engineclient,
+    "vllm-sidecar": vllm_load.through_sidecar,
+    "vllm-direct": vllm_load.direct,
 }
 #: Modes on asyncio (grpcio, websockets): plain functions that run their own loop.
 ASYNCIO_MODES: dict[str, Any] = {

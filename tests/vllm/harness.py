@@ -69,9 +69,10 @@ def build_model(root: Path) -> Path:
 
 @dataclass
 class VllmProc:
-    """A running ``vllm-engine``: its address, ready JSON and log file."""
+    """A running ``vllm-engine``: its address, ready JSON, model directory and log file."""
 
     name: str
+    model: Path
     process: subprocess.Popen[bytes]
     address: str
     info: dict[str, Any]
@@ -139,7 +140,7 @@ def start_engine(model: Path, tmp: Path, name: str, *args: str) -> VllmProc:
             env=engine_env(tmp),
             start_new_session=True,
         )
-    proc = VllmProc(name, process, "", {}, log, 0.0)
+    proc = VllmProc(name, model, process, "", {}, log, 0.0)
     # the engine is another process with no event to wait on: poll its ready file, bounded
     while not ready.exists() and process.poll() is None and time.monotonic() - started < START_TIMEOUT:
         time.sleep(0.2)

@@ -46,7 +46,7 @@ async def test_worker_card_is_vllms_own_configuration(aio_loop: Any, vllm_engine
             card = (await http.get(sc.http + "/v1/worker", timeout=10)).json()
     assert card["engine"]["name"] == "vllm" and card["engine"]["version"] == "0.32.0"
     assert card["role"] == "aggregated" and card["dpRanks"] == [0] and card["problems"] == []
-    assert card["capacity"]["kvBlockSize"] == BLOCK and card["capacity"]["totalKvBlocks"] == KV_BLOCKS
+    assert card["capacity"]["kvBlockSize"] == BLOCK and int(card["capacity"]["totalKvBlocks"]) == KV_BLOCKS
     (model,) = card["models"]
     assert model["servedModelName"] == MODEL and model["maxContextLength"] == 2048
     assert model["tokenizer"]["source"] == model["modelId"]  # the model directory

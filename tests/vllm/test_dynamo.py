@@ -1,0 +1,169 @@
+"""Dynamo worker mode over real vLLM: ``run --dynamo`` in front of ``vllm-engine``, Dynamo's real frontend.
+
+The frontend tokenizes with the engine's model directory (the tiny model's tokenizer), vLLM
+generates, the sidecar relays: completions and chat, streaming or not, carry exactly what the
+WebSocket plane gives for the same token ids (greedy); a client that leaves mid-stream frees
+the request in vLLM with one Abort. Then KV-aware routing across two vLLM engines: a prompt cached
+on one engine outside Dynamo is known to Dynamo only through vLLM's own KV events (engine →
+sidecar bridge → Dynamo's relay → event plane), and the frontend's ``--router-mode kv`` sends the
+prompt (plus a suffix), and its repeats, to that engine. File discovery, tcp request plane, zmq
+event plane (``tests.dynamo.planes``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from sidecar.client.sidecar_client import open_sidecar
+from tests.dynamo.e2e import dynamo_env, dynamo_sidecar, encode, frontend, require_dynamo
+from tests.dynamo.test_e2e_kv_routing import scores_of, words
+from tests.e2e.harness import eventually
+from tests.vllm.harness import BLOCK, MODEL, VllmProc, attributes, wait_request_gone
+
+require_dynamo()
+
+
+async def ws_ids(ws: str, ids: list[int], max_tokens: int) -> list[int]:
+    """The token ids vLLM generates greedily for ``ids``, through the sidecar's WebSocket plane."""
+    request = {
+        "model": MODEL,
+        "tokenIds": {"ids": ids},
+        "sampling": {"temperature": 0.0},
+        "stopping": {"maxTokens": max_tokens, "ignoreEos": True},
+    }
+    async with open_sidecar(ws) as client, client.generate(request) as stream:
+        out = [
+            t.token_id async for e in stream if e.response.token is not None for t in e.response.token.tokens
+        ]
+    assert stream.end is not None and stream.end.outcome == "completed", stream.end
+    return out
+
+
+def decode(model: Path, ids: list[int]) -> str:
+    """``ids`` detokenized at once, as Dynamo's frontend does (an unfinished UTF-8 tail included)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(model / "tokenizer.json")).decode(ids)  # type: ignore[no-any-return]
+
+
+async def test_vllm_worker_through_dynamo(aio_loop: Any, tmp_path: Path, vllm_engine: VllmProc) -> None:
+    tok = vllm_engine.model
+    greedy = {"max_tokens": 12, "ignore_eos": True, "temperature": 0.0}
+    with trio.fail_after(180):
+        async with dynamo_sidecar(tmp_path, vllm_engine.address) as sc, frontend(tmp_path) as fe:
+            await fe.wait_models(MODEL, timeout=60)
+            prompt = "Bakeno dafi, and the bakeno is"
+            resp = await fe.http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, **greedy})
+            assert resp.status_code == 200, resp.text
+            body = resp.json()
+            choice = body["choices"][0]
+            assert choice["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 12
+            assert choice["text"] == decode(tok, await ws_ids(sc.ws, encode(tok, prompt), 12))
+
+            chunks = await fe.stream("/v1/completions", {"model": MODEL, "prompt": prompt, **greedy})
+            assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == choice["text"]
+
+            messages = [{"role": "user", "content": "hi"}]
+            resp = await fe.http.post(
+                "/v1/chat/completions", json={"model": MODEL, "messages": messages, **greedy}
+            )
+            assert resp.status_code == 200, resp.text
+            chat = resp.json()["choices"][0]
+            chat_ids = await ws_ids(sc.ws, encode(tok, "user: hi\nassistant:"), 12)
+            assert chat["message"]["content"] == decode(tok, chat_ids)
+
+            # a client that leaves mid-stream: Dynamo stops the request context, the sidecar aborts
+            before = (await attributes(vllm_engine.address))["aborts_received"]
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+            async with fe.http.stream("POST", "/v1/completions", json=body) as stream:
+                assert stream.status_code == 200
+                seen = 0
+                async for line in stream.aiter_lines():
+                    seen += line.startswith("data: ")
+                    if seen == 3:
+                        break
+            await wait_request_gone(vllm_engine.address)
+
+            async def aborted() -> bool:
+                return (await attributes(vllm_engine.address))["aborts_received"] == before + 1
+
+            await eventually(aborted, 10)
+        attrs = await attributes(vllm_engine.address)  # the sidecar has exited: no Abort still due
+    assert attrs["aborts_received"] == before + 1 and attrs["vllm_unfinished_requests"] == 0
+
+
+async def make_router(cls: Any, endpoint: Any, config: Any) -> Any:
+    return cls(endpoint, BLOCK, config)
+
+
+async def test_kv_routing_across_two_vllm_engines(
+    aio_loop: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    vllm_engine: VllmProc,
+    vllm_engine_b: VllmProc,
+) -> None:
+    import trio_asyncio
+    from dynamo.llm import KvRouter, KvRouterConfig
+    from dynamo.runtime import DistributedRuntime
+
+    tok = vllm_engine.model
+    engines = [vllm_engine, vllm_engine_b]
+    with trio.fail_after(240):
+        async with (
+            dynamo_sidecar(tmp_path, vllm_engine.address, name="s0") as s0,
+            dynamo_sidecar(tmp_path, vllm_engine_b.address, name="s1") as s1,
+            frontend(tmp_path, "--router-mode", "kv") as fe,
+        ):
+            for key, value in dynamo_env(tmp_path).items():
+                monkeypatch.setenv(key, value)  # this process joins the deployment as an observer
+            await fe.wait_models(MODEL, timeout=60)
+            runtime = DistributedRuntime(aio_loop, "file", "tcp", event_plane="zmq")
+            try:
+                endpoint = runtime.endpoint("dynamo.backend.generate")
+                router = await trio_asyncio.aio_as_trio(make_router)(KvRouter, endpoint, KvRouterConfig())
+
+                async def overlap(ids: list[int]) -> dict[int, int]:
+                    return scores_of(await trio_asyncio.aio_as_trio(router.get_overlap_scores)(ids))
+
+                async def served() -> list[int]:
+                    return [int((await attributes(e.address))["requests_accepted"]) for e in engines]
+
+                sidecars = [s0, s1]
+                worker_of: dict[int, int] = {}
+                for i in range(2):
+                    target = i
+                    prefix = words(100 + i, 200)
+                    ids = encode(tok, prefix)
+                    assert len(ids) >= 8 * BLOCK, len(ids)
+                    assert not await overlap(ids)
+                    await ws_ids(sidecars[target].ws, ids, 1)  # cached on the target, outside Dynamo
+
+                    async def indexed(ids: list[int] = ids) -> dict[int, int]:
+                        return await overlap(ids)
+
+                    scores = await eventually(indexed, 20)  # vLLM -> bridge -> Dynamo relay -> event plane
+                    assert len(scores) == 1 and min(scores.values()) >= len(ids) // BLOCK, scores
+                    (worker,) = scores
+                    assert worker_of.setdefault(target, worker) == worker
+                    for _ in range(3):
+                        before = await served()
+                        body = {
+                            "model": MODEL,
+                            "prompt": prefix + " ba be bi",
+                            "max_tokens": 2,
+                            "ignore_eos": True,
+                        }
+                        resp = await fe.http.post("/v1/completions", json=body)
+                        assert resp.status_code == 200, resp.text
+                        after = await served()
+                        assert [a - b for a, b in zip(after, before, strict=True)] == [
+                            int(k == target) for k in range(2)
+                        ], f"prompt {i} cached on engine {target} was routed elsewhere"
+                assert len(set(worker_of.values())) == 2
+            finally:
+                runtime.shutdown()
