@@ -1,11 +1,13 @@
 """Scenario ``vllm``: what the sidecar adds in front of real vLLM (needs the ``vllm`` extra).
 
 Builds the tiny model (``sidecar.engines.vllm.tiny_model``) in the run's directory, starts
-``vllm-engine`` on it and a sidecar in front, then alternates rounds of the same greedy streams
-through the sidecar and directly with ``EngineClient`` (``vllm_load``), so both see the same
-engine and the same machine noise. Reported: TTFT and inter-token gap percentiles of each and
-what the sidecar adds (sidecar minus direct), tokens/s, and CPU per token of the client, the
-sidecar and vLLM's three processes. The engine start (tens of seconds) is not measured.
+``vllm-engine`` on it and a sidecar in front, then runs rounds of greedy streams through the
+sidecar and, **at the same time**, as many directly with ``EngineClient`` (``vllm_load``):
+vLLM batches both halves together, so each step's tokens leave the engine for both at once and
+the machine's noise is the same for both. Reported: TTFT and inter-token gap percentiles of
+each and what the sidecar adds (sidecar minus direct; medians over rounds), tokens/s, the CPU
+per token of each client and of the sidecar, and vLLM's (its three processes, over all tokens).
+The engine start (tens of seconds) is not measured.
 """
 
 from __future__ import annotations
@@ -57,7 +59,9 @@ async def vllm_engine(tmp: Path) -> AsyncIterator[tuple[procs.Proc, str]]:
     model = tmp / "tiny-llama"
     with trio.fail_after(300):
         await trio.run_process(
-            [sys.executable, "-m", "sidecar.engines.vllm.tiny_model", str(model)], capture_stdout=True
+            [sys.executable, "-m", "sidecar.engines.vllm.tiny_model", str(model)],
+            capture_stdout=True,
+            capture_stderr=True,
         )
     argv = [sys.executable, "-m", "sidecar", "vllm-engine", "--model", str(model), "--dtype", "float32"]
     argv += ["--block-size", "32", "--served-model-name", MODEL, "--listen", f"unix://{tmp}/vllm.sock"]
@@ -85,11 +89,55 @@ def _merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _leaf(group: BaseExceptionGroup[procs.BenchError]) -> procs.BenchError:
+    first = group.exceptions[0]
+    return _leaf(first) if isinstance(first, BaseExceptionGroup) else first
+
+
 async def vllm(b: Bench) -> dict[str, Any]:
+    """The scenario; a failure is one :class:`~sidecar.bench.procs.BenchError` (not a group: the
+    engine and the sidecar run in nurseries), so the run records it and goes on."""
     if not available():
         raise procs.BenchError(EXTRA_MISSING)
+    try:
+        return await _vllm(b)
+    except BaseExceptionGroup as group:
+        failed, rest = group.split(procs.BenchError)
+        if failed is None or rest is not None:
+            raise
+        raise _leaf(failed) from None
+
+
+async def _round(b: Bench, sc: procs.Sidecar, address: str, pids: dict[str, int], r: int) -> dict[str, Any]:
+    """One round: the sidecar half and the direct half at once (vLLM batches them together)."""
     c = b.config
     common = {"streams": c.vllm_streams, "tokens": c.vllm_tokens, "prompt_tokens": c.vllm_prompt_tokens}
+    res: dict[str, Any] = {}
+    armed: list[str] = []
+    both = trio.Event()
+
+    async def on_armed(kind: str) -> None:
+        armed.append(kind)
+        if len(armed) == 2:
+            both.set()
+        with trio.move_on_after(120):
+            await both.wait()
+        if not both.is_set():
+            raise procs.BenchError(f"vllm round {r}: the other half never connected")
+
+    async def one(kind: str) -> None:
+        spec = b.spec(f"vllm-{kind}", sidecar=sc, **common, seed=r * 2 + (kind == "direct"))
+        spec.update(engine=address, model=MODEL, pids=pids)
+        res[kind] = await procs.run_worker(spec, on_armed=lambda _info: on_armed(kind))
+
+    async with trio.open_nursery() as nursery:
+        for kind in ("sidecar", "direct"):
+            nursery.start_soon(one, kind)
+    return res
+
+
+async def _vllm(b: Bench) -> dict[str, Any]:
+    c = b.config
     rounds: dict[str, list[dict[str, Any]]] = {"sidecar": [], "direct": []}
     async with vllm_engine(b.tmp) as (eng, address):
         b.say(f"  vllm-engine (pid {eng.pid}) on {address}")
@@ -97,29 +145,33 @@ async def vllm(b: Bench) -> dict[str, Any]:
             pids = {"sidecar": sc.proc.pid, "vllm": eng.pid}
             pids.update({f"vllm-child{i}": p for i, p in enumerate(descendants(eng.pid))})
             for r in range(c.vllm_rounds + 1):  # round 0 warms both paths up, uncounted
+                res = await _round(b, sc, address, pids, r)
+                if r == 0:
+                    continue
                 for kind in ("sidecar", "direct"):
-                    spec = b.spec(f"vllm-{kind}", sidecar=sc, **common, seed=r * 2 + (kind == "direct"))
-                    spec.update(engine=address, model=MODEL, pids=pids)
-                    res = await procs.run_worker(spec)
-                    if r == 0:
-                        continue
-                    rounds[kind].append(res)
+                    rounds[kind].append(res[kind])
+                    x = res[kind]
                     b.say(
-                        f"  vllm round {r}/{c.vllm_rounds} {kind:<8} {res['tokens_per_s']:>7,.0f} tok/s  "
-                        f"TTFT p50 {res['ttft_ms']['p50']:.1f} ms  ITL p50 {res['itl_ms']['p50']:.2f} "
-                        f"p99 {res['itl_ms']['p99']:.2f} ms"
+                        f"  vllm round {r}/{c.vllm_rounds} {kind:<8} {x['tokens_per_s']:>7,.0f} tok/s  "
+                        f"TTFT p50 {x['ttft_ms']['p50']:.1f} ms  ITL p50 {x['itl_ms']['p50']:.2f} "
+                        f"p99 {x['itl_ms']['p99']:.2f} ms"
                     )
+    config = {"streams": c.vllm_streams, "tokens": c.vllm_tokens, "prompt_tokens": c.vllm_prompt_tokens}
     out: dict[str, Any] = {
-        "config": {**common, "rounds": c.vllm_rounds, "model": "tiny random Llama, float32"}
+        "config": {**config, "rounds": c.vllm_rounds, "model": "tiny random Llama, float32"}
     }
     out.update({kind: _merge(runs) for kind, runs in rounds.items()})
     s, d = out["sidecar"], out["direct"]
     out["added"] = {key: stats.added(s[key], d[key]) for key in ("ttft_ms", "itl_ms")}
+    # vLLM served both halves in the same windows: its CPU over all their tokens
+    vllm_cpu = sum(v for run in rounds["sidecar"] for k, v in run["cpu_s"].items() if k.startswith("vllm"))
+    both = s["tokens"] + d["tokens"]
+    out["vllm_cpu_us_per_token"] = vllm_cpu / both * 1e6 if both else math.nan
     out["runs"] = rounds
     a = out["added"]
     b.say(
         f"  vllm: the sidecar adds TTFT p50 {a['ttft_ms']['p50']:+.2f} p99 {a['ttft_ms']['p99']:+.2f} ms, "
         f"ITL p50 {a['itl_ms']['p50']:+.2f} p99 {a['itl_ms']['p99']:+.2f} ms; sidecar CPU "
-        f"{s['cpu_us_per_token']['sidecar']:.0f} µs/token; tokens/s {s['tokens_per_s']:,.0f} vs {d['tokens_per_s']:,.0f}"
+        f"{s['cpu_us_per_token']['sidecar']:.0f} µs/token (vLLM {out['vllm_cpu_us_per_token']:,.0f})"
     )
     return out

@@ -60,8 +60,6 @@ TRIO_MODES: dict[str, Any] = {
     "fleet": fleet_load.fleet,
     "burst-lean": burst_load.burst_lean,
     "burst-engineclient": burst_load.burst_engineclient,
-    "vllm-sidecar": vllm_load.through_sidecar,
-    "vllm-direct": vllm_load.direct,
 }
 #: Modes on asyncio (grpcio, websockets): plain functions that run their own loop.
 ASYNCIO_MODES: dict[str, Any] = {
@@ -71,6 +69,8 @@ ASYNCIO_MODES: dict[str, Any] = {
     "burst-json": burst_load.burst_json,
 }
 ARMED_MODES: dict[str, Any] = {"idle-sidecar": north_load.idle, "drain-sidecar": north_load.drain}
+#: Modes that take both the CPU sampler and the armed handshake.
+SYNCED_MODES: dict[str, Any] = {"vllm-sidecar": vllm_load.through_sidecar, "vllm-direct": vllm_load.direct}
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
@@ -88,6 +88,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         return result
     if mode in ARMED_MODES:
         result = trio.run(partial(ARMED_MODES[mode], spec, _armed))
+        return result
+    if mode in SYNCED_MODES:
+        result = trio.run(partial(SYNCED_MODES[mode], spec, cpu, _armed))
         return result
     raise SystemExit(f"unknown worker mode {mode!r}")
 

@@ -30,13 +30,12 @@ def test_merge_and_rows() -> None:
         "direct": direct,
         "added": added,
         "config": {"streams": 8, "tokens": 128, "rounds": 2},
+        "vllm_cpu_us_per_token": 1500.0,
     }
     rows = report.rows({"vllm": doc})
     labels = [r[0] for r in rows]
-    assert labels[0].startswith("vLLM tokens/s (8 x 128")
+    assert labels[0].startswith("vLLM tokens/s (8 + 8 x 128")
     ttft = next(r for r in rows if r[0].startswith("vLLM TTFT"))
     assert ttft[4] == "+2.50 | +5.00 added"
     cpu = next(r for r in rows if r[0].startswith("vLLM CPU"))
-    assert cpu[1].startswith("60.0 |") and cpu[1].endswith(
-        "| 3,000"
-    )  # 3 vLLM CPU-s per round, 2 rounds, 2000 tokens
+    assert cpu[1] == "60.0 | 100.0 | 1,500"  # sidecar | client | vLLM over both halves

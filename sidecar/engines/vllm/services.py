@@ -17,6 +17,8 @@ from sidecar.openengine import pb
 from sidecar.openengine.server import RpcStatusError, request_metadata
 
 _NO_LORA = "LoRA is not enabled on this engine"
+#: GetLoad metadata asking for ``attributes.aborts_by_request`` (tests: exactly one Abort per request).
+REPORT_ABORTS = ("vllm-adapter-report", "aborts")
 
 
 class InferenceService(pb.InferenceBase):
@@ -47,7 +49,7 @@ class ControlService(pb.ControlBase):
         return self.engine.discovery.model
 
     async def get_load(self, message: pb.GetLoadRequest) -> pb.LoadInfo:
-        return self.engine.load(message.include_per_rank)
+        return self.engine.load(message.include_per_rank, report_aborts=REPORT_ABORTS in request_metadata())
 
     async def health(self, message: pb.HealthRequest) -> pb.HealthResponse:
         return await self.engine.health(message)
