@@ -5,7 +5,8 @@ Builds the tiny model (``sidecar.engines.vllm.tiny_model``) in the run's directo
 sidecar and, **at the same time**, as many directly with ``EngineClient`` (``vllm_load``):
 vLLM batches both halves together, so each step's tokens leave the engine for both at once and
 the machine's noise is the same for both. Reported: TTFT and inter-token gap percentiles of
-each and what the sidecar adds (sidecar minus direct; medians over rounds), tokens/s, the CPU
+each (medians over rounds) and what the sidecar adds (each round's sidecar minus direct, then
+the median over rounds: the halves are paired), tokens/s, the CPU
 per token of each client and of the sidecar, and vLLM's (its three processes, over all tokens).
 The engine start (tens of seconds) is not measured.
 """
@@ -162,7 +163,16 @@ async def _vllm(b: Bench) -> dict[str, Any]:
     }
     out.update({kind: _merge(runs) for kind, runs in rounds.items()})
     s, d = out["sidecar"], out["direct"]
-    out["added"] = {key: stats.added(s[key], d[key]) for key in ("ttft_ms", "itl_ms")}
+    # paired: each round's difference (both halves ran together), then the median over rounds
+    out["added"] = {
+        key: {
+            p: stats.median(
+                [x[key][p] - y[key][p] for x, y in zip(rounds["sidecar"], rounds["direct"], strict=True)]
+            )
+            for p in ("p50", "p90", "p99", "mean")
+        }
+        for key in ("ttft_ms", "itl_ms")
+    }
     # vLLM served both halves in the same windows: its CPU over all their tokens
     vllm_cpu = sum(v for run in rounds["sidecar"] for k, v in run["cpu_s"].items() if k.startswith("vllm"))
     both = s["tokens"] + d["tokens"]
