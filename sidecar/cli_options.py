@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -33,3 +34,18 @@ def read_token_file(path: str | None) -> str | None:
         return None
     with open(path) as f:
         return f.read().strip()
+
+
+def parsed(parse: Callable[[str], str]) -> Callable[[click.Context, click.Parameter, str | None], str | None]:
+    """A click callback validating a value at parse time: ``parse`` normalizes it or raises
+    ``ValueError``, which becomes a one-line usage error naming the flag."""
+
+    def callback(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            return parse(value)
+        except ValueError as err:
+            raise click.BadParameter(str(err)) from None
+
+    return callback

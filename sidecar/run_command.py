@@ -29,8 +29,10 @@ import trio
 import trio_asyncio
 
 from sidecar import sdnotify
-from sidecar.cli_options import option, read_token_file
+from sidecar.cli_options import option, parsed, read_token_file
+from sidecar.core.handoff_profiles import parse_profile
 from sidecar.core.lifecycle import LifecycleConfig
+from sidecar.core.negotiation import parse_release
 from sidecar.core.sidecar import OUTCOME_SHUTDOWN, Sidecar, SidecarConfig, StartupError
 from sidecar.dynamo.config import DynamoConfig, DynamoConfigError
 from sidecar.dynamo.options import dynamo_config, dynamo_options
@@ -202,7 +204,22 @@ async def _drain_on_signal(sidecar: Sidecar, signals: Any) -> None:
 @option("--model", default=None, help="Serve only this model (served name or alias).")
 @option("--expected-engine", default=None, help="Refuse to start unless the engine reports this name.")
 @option(
-    "--expected-schema-release", default=None, help="Refuse to start unless the engine reports this release."
+    "--expected-schema-release",
+    default=None,
+    callback=parsed(parse_release),
+    help="Refuse to start unless the engine reports this release (source commit, BSR commit or tag).",
+)
+@option(
+    "--require-known-release",
+    is_flag=True,
+    default=False,
+    help="Refuse an engine whose schema release this build was not tested with (see --version).",
+)
+@option(
+    "--handoff-profile",
+    default=None,
+    callback=parsed(parse_profile),
+    help="Handoff profile of a prefill/decode engine that advertises none (docs/COMPATIBILITY.md).",
 )
 @option(
     "--startup-deadline", type=float, default=300.0, show_default=True, help="Seconds to wait for the engine."
@@ -301,6 +318,8 @@ def run(**opts: Any) -> None:
         model=opts["model"],
         expected_engine=opts["expected_engine"],
         expected_release=opts["expected_schema_release"],
+        require_known_release=opts["require_known_release"],
+        handoff_profile=opts["handoff_profile"],
         startup_deadline=opts["startup_deadline"],
         drain_timeout=opts["drain_timeout"],
         drain_engine=opts["drain_engine"],

@@ -1,7 +1,8 @@
 """What this build is: package version, source commit, OpenEngine schema release.
 
-``openengine-sidecar --version`` prints it and the worker card carries it
-(``sidecar.commit``), so an operator can tell which exact artifact serves. The commit
+``openengine-sidecar --version`` prints it, with the schema releases this build was
+tested with, and the worker card carries it (``sidecar.commit``, ``sidecar.knownReleases``),
+so an operator can tell which exact artifact serves and which engines it knows. The commit
 comes from the build: ``scripts/build-artifact`` writes ``sidecar/_build_info.py``
 into the wheel. In a source checkout (editable install) it falls back to
 ``git rev-parse HEAD`` of that checkout, with ``-dirty`` when the package sources
@@ -15,6 +16,7 @@ import subprocess
 from pathlib import Path
 
 from sidecar import __version__
+from sidecar.openengine.releases import FEATURES, KNOWN_RELEASES
 from sidecar.openengine.revision import CLIENT_REVISION, SCHEMA_RELEASE, SCHEMA_REPOSITORY
 
 __all__ = ["SCHEMA_RELEASE", "UNKNOWN_COMMIT", "VERSION", "build_info", "source_commit", "version_text"]
@@ -75,10 +77,30 @@ def build_info() -> dict[str, str | int]:
     }
 
 
+def known_releases_text() -> list[str]:
+    """One line per known schema release: name, source commit(s), revision, features."""
+    lines = []
+    for k in KNOWN_RELEASES:
+        features = ", ".join(f for f in FEATURES if f in k.features) or "none"
+        first, *same = k.source_commits
+        commits = first + (f" (same schema: {', '.join(same)})" if same else "")
+        bsr = f", BSR {' '.join(k.bsr_commits)}" if k.bsr_commits else ""
+        lines.append(
+            f"  {k.name}  {commits}{bsr}  revision {k.revision} ({k.numbering} numbering), "
+            f"minimum client {k.minimum_client_revision}; features: {features}"
+        )
+    return lines
+
+
 def version_text(prog: str = "openengine-sidecar") -> str:
-    """The ``--version`` text: three lines, one fact each."""
-    return (
-        f"{prog} {VERSION}\n"
-        f"commit {source_commit()}\n"
-        f"openengine schema release {SCHEMA_RELEASE} ({SCHEMA_REPOSITORY}, revision {CLIENT_REVISION})"
+    """The ``--version`` text: version, commit and schema release (one line each), then the
+    known schema releases (others are served by feature detection, with a warning)."""
+    return "\n".join(
+        [
+            f"{prog} {VERSION}",
+            f"commit {source_commit()}",
+            f"openengine schema release {SCHEMA_RELEASE} ({SCHEMA_REPOSITORY}, revision {CLIENT_REVISION})",
+            "known schema releases (others are served by feature detection, with a warning):",
+            *known_releases_text(),
+        ]
     )

@@ -7,10 +7,11 @@ from typing import Any
 from sidecar.conformance.context import Context
 from sidecar.conformance.kv_watch import kv_sources
 from sidecar.conformance.model import Fail, Skip, check, require
-from sidecar.core.negotiation import release_kind
+from sidecar.core.negotiation import RELEASE_FORMS, numbering_of
 from sidecar.openengine import pb
 from sidecar.openengine.errors import EngineStatusError
-from sidecar.openengine.revision import CLIENT_REVISION, OLDEST_SERVER_REVISION, spec_url
+from sidecar.openengine.releases import CLIENT_REVISIONS, find_known, parse_release
+from sidecar.openengine.revision import OLDEST_SERVER_REVISION, spec_url
 
 IDENTITY = spec_url("server-identity-deployment-capacity-and-engine-roles")
 MODELS = spec_url("model-identity-and-capabilities")
@@ -23,12 +24,16 @@ ENCODINGS = frozenset({"protobuf", "msgpack"})
 @check(
     "discovery.revision",
     rule="schema_revision is non-zero and supported; minimum_client_revision is populated, not above "
-    "schema_revision, and admits this client (revision-3 servers advertise 1)",
+    "schema_revision, and admits this client in the engine's revision numbering (original: revision 3, "
+    "whose servers advertise 1; restarted: revision 1)",
     ref=IDENTITY,
 )
 async def revision(ctx: Context) -> str | None:
     info = await ctx.server_info()
     rev, minimum = info.schema_revision, info.minimum_client_revision
+    release = parse_release(info.schema_release)
+    numbering = numbering_of(release, info) if release is not None else "original"
+    client = CLIENT_REVISIONS[numbering]
     problems = []
     if rev == 0:
         problems.append("schema_revision is 0 (invalid: zero is not a revision)")
@@ -40,27 +45,33 @@ async def revision(ctx: Context) -> str | None:
         problems.append("minimum_client_revision is 0 (not populated)")
     elif rev and minimum > rev:
         problems.append(f"minimum_client_revision {minimum} is above schema_revision {rev}")
-    elif minimum > CLIENT_REVISION:
+    elif minimum > client:
         problems.append(
-            f"minimum_client_revision {minimum} rejects revision-{CLIENT_REVISION} clients such as this suite"
+            f"minimum_client_revision {minimum} rejects revision-{client} clients ({numbering} numbering) "
+            "such as this suite"
         )
-    if rev == 3 and minimum not in (0, 1):
+    if numbering == "original" and rev == 3 and minimum not in (0, 1):
         problems.append(f"revision-3 servers advertise minimum_client_revision 1, not {minimum}")
     require(not problems, problems[0] if problems else "", problems)
-    return f"schema_revision {rev}, minimum_client_revision {minimum}"
+    return f"schema_revision {rev}, minimum_client_revision {minimum} ({numbering} numbering)"
 
 
 @check(
     "discovery.release",
-    rule="schema_release is immutable: a 40-hex commit or a signed release tag (not main, unreleased, "
-    "a short SHA or empty)",
+    rule="schema_release is immutable: a 40-hex source commit, a 32-hex Buf Schema Registry commit "
+    "(alone or as buf.build/<owner>/<module>:<commit>) or a signed release tag (not main, a module label, "
+    "unreleased, a short SHA or empty)",
     ref=IDENTITY,
 )
 async def release(ctx: Context) -> str | None:
     value = (await ctx.server_info()).schema_release
-    kind = release_kind(value)
-    require(kind is not None, f"schema_release {value!r} is not an immutable commit or release tag")
-    return f"{kind} {value}"
+    parsed = parse_release(value)
+    require(parsed is not None, f"schema_release {value!r} is not an immutable release ({RELEASE_FORMS})")
+    assert parsed is not None
+    known = find_known(parsed)
+    return f"{parsed.form} {parsed}" + (
+        f" (known release {known.name})" if known else " (untested by this build)"
+    )
 
 
 def _at_least_one(where: str, values: dict[str, Any]) -> list[str]:

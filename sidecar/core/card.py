@@ -21,6 +21,8 @@ from typing import Any, Literal, TypeVar
 import msgspec
 
 from sidecar import __version__
+from sidecar.core.compat import CompatibilityCard, KnownReleaseCard, assess, known_release_cards
+from sidecar.core.handoff_profiles import ProfileChoice, effective_profile
 from sidecar.core.int64 import Int64, Uint64, json_decode, json_encoder, u64
 from sidecar.core.load import LoadSnapshot, LoadStatus, LoadTracker, RankLoad
 from sidecar.core.negotiation import NegotiatedRevision
@@ -123,6 +125,8 @@ class SidecarCard(_Card):
     schema_release: str = SCHEMA_RELEASE
     client_revision: int = CLIENT_REVISION
     oldest_server_revision: int = OLDEST_SERVER_REVISION
+    #: The schema releases this build was tested with (docs/COMPATIBILITY.md).
+    known_releases: list[KnownReleaseCard] = msgspec.field(default_factory=known_release_cards)
 
 
 class CapacityCard(_Card):
@@ -171,6 +175,15 @@ class KvConnectorCard(_Card):
     #: Rendezvous endpoint a P/D client puts in ``KvBootstrap`` (first local endpoint) when
     #: the connector uses client bootstrap; ``None`` otherwise.
     bootstrap_endpoint: EndpointCard | None
+    #: Where ``handoff_profile`` came from: ``advertised`` by the engine, ``configured``
+    #: (``--handoff-profile``) or ``derived`` from engine name and transfer backend (an
+    #: engine whose schema has no such field); ``None`` when there is none.
+    handoff_profile_source: Literal["advertised", "configured", "derived"] | None = None
+
+    @property
+    def requires_session_profile(self) -> bool:
+        """Sessions from this connector's engines name their profile (the engine advertises one)."""
+        return self.handoff_profile_source == "advertised"
 
     @property
     def uses_client_bootstrap(self) -> bool:
@@ -306,6 +319,11 @@ class WorkerCard(_Card):
     #: Reasons this engine cannot be served as discovered (empty when servable).
     problems: list[str] = msgspec.field(default_factory=list)
     extra: dict[str, Any] | None = None
+    #: Is the engine's schema release one this build was tested with, and which schema
+    #: features its answers carry (docs/COMPATIBILITY.md).
+    compatibility: CompatibilityCard | None = None
+    #: Served, with a caveat: one line each (``run`` logs each once as a WARNING).
+    warnings: list[str] = msgspec.field(default_factory=list)
 
     def resolve(self, name: str) -> ResolvedModel | None:
         """Served name, then alias, then loaded adapter name → model entry; ``None`` if unknown."""
@@ -421,7 +439,7 @@ def model_card(queried_name: str, mi: pb.ModelInfo) -> ModelCard:
     )
 
 
-def _connector_card(c: pb.KvConnectorInfo | None) -> KvConnectorCard | None:
+def _connector_card(c: pb.KvConnectorInfo | None, choice: ProfileChoice) -> KvConnectorCard | None:
     if c is None:
         return None
     local = [EndpointCard.from_pb(e) for e in c.local_endpoints]
@@ -429,7 +447,8 @@ def _connector_card(c: pb.KvConnectorInfo | None) -> KvConnectorCard | None:
     return KvConnectorCard(
         enabled=c.enabled,
         transfer_backend=c.transfer_backend,
-        handoff_profile=c.handoff_profile,
+        handoff_profile=choice.profile,
+        handoff_profile_source=choice.source,
         local_endpoints=local,
         supported_protocols=list(c.supported_protocols),
         supports_remote_prefill=c.supports_remote_prefill,
@@ -489,7 +508,11 @@ def _role_name(role: int) -> str:
 
 
 def _problems(
-    info: pb.ServerInfo, role: str, models: Sequence[ModelCard], kv: KvConnectorCard | None
+    info: pb.ServerInfo,
+    role: str,
+    models: Sequence[ModelCard],
+    kv: KvConnectorCard | None,
+    choice: ProfileChoice,
 ) -> list[str]:
     problems: list[str] = []
     if role == ROLE_UNSPECIFIED:
@@ -510,8 +533,8 @@ def _problems(
     if role in (ROLE_PREFILL, ROLE_DECODE):
         if kv is None or kv.enabled is False:
             problems.append(f"{role} engine advertises no enabled KV connector")
-        elif not kv.handoff_profile:
-            problems.append(f"{role} engine's KV connector advertises no handoff_profile")
+        elif choice.problem is not None:
+            problems.append(choice.problem)
         elif role == ROLE_PREFILL and kv.uses_client_bootstrap and kv.bootstrap_endpoint is None:
             problems.append("prefill engine uses client bootstrap but advertises no local bootstrap endpoint")
     return problems
@@ -525,14 +548,17 @@ def build_card(
     kv_event_sources: Sequence[pb.KvEventSource] | None = None,
     lora_adapters: Sequence[pb.LoraAdapter] | None = None,
     only_model: str | None = None,
+    handoff_profile: str | None = None,
 ) -> WorkerCard:
     """Assemble a :class:`WorkerCard` from discovery answers (pure).
 
     ``model_infos`` maps each name passed to ``GetModelInfo`` to its answer, in
     ``supported_models`` order. ``only_model`` keeps just the model with that served
     name or alias (a problem is recorded if none matches). ``lora_adapters`` is
-    ``None`` when adapters are unknown. Never raises for engine content: anything
-    unservable is listed in ``problems``.
+    ``None`` when adapters are unknown. ``handoff_profile`` is the operator's
+    ``--handoff-profile`` (used when a P/D engine advertises none; see
+    :mod:`sidecar.core.handoff_profiles`). Never raises for engine content: anything
+    unservable is listed in ``problems``, what is served with a caveat in ``warnings``.
     """
     models = [model_card(name, mi) for name, mi in model_infos.items()]
     problems: list[str] = []
@@ -543,9 +569,23 @@ def build_card(
             problems.append(f"model {only_model!r} is not served by this engine (serves: {served})")
         models = chosen[:1]
     role = _role_name(info.engine_role)
-    kv = _connector_card(info.kv_connector)
+    warnings: list[str] = []
+    negotiated, compatibility, compat_warning = assess(info, negotiated, model_infos)
+    if compat_warning is not None:
+        warnings.append(compat_warning)
+    c = info.kv_connector
+    choice = ProfileChoice(
+        c.handoff_profile if c is not None else "", "advertised" if c and c.handoff_profile else None
+    )
+    if role in (ROLE_PREFILL, ROLE_DECODE) and c is not None and c.enabled is not False:
+        choice = effective_profile(
+            role, info.engine_name, c.handoff_profile, c.transfer_backend, handoff_profile
+        )
+        if choice.warning is not None:
+            warnings.append(choice.warning)
+    kv = _connector_card(c, choice)
     if not problems:
-        problems.extend(_problems(info, role, models, kv))
+        problems.extend(_problems(info, role, models, kv, choice))
     loras = None if lora_adapters is None else lora_cards(lora_adapters, models)
     cap = info.capacity
     par = info.parallelism
@@ -580,4 +620,6 @@ def build_card(
         served_model_names=_served_names(models, loras),
         problems=problems,
         extra=_struct_dict(info.extra),
+        compatibility=compatibility,
+        warnings=warnings,
     )

@@ -16,10 +16,11 @@ import msgspec
 import trio
 import trio_asyncio
 
-from sidecar.cli_options import option
+from sidecar.cli_options import option, parsed
 from sidecar.core.card import EndpointCard, LogprobCard, ModelCard, WorkerCard, card_to_json
 from sidecar.core.discovery import discover
 from sidecar.core.errors import DiscoveryError, NegotiationError
+from sidecar.core.handoff_profiles import parse_profile
 from sidecar.core.negotiation import parse_release
 from sidecar.openengine.client import open_engine_client
 from sidecar.openengine.errors import EngineClientError, EngineConfigError, EngineUnavailable
@@ -39,6 +40,8 @@ async def describe_engine(
     timeout: float = 30.0,
     expected_engine: str | None = None,
     expected_release: str | None = None,
+    require_known_release: bool = False,
+    handoff_profile: str | None = None,
 ) -> WorkerCard:
     """Connect, discover (non-strict) and return the card; :class:`DescribeFailed` otherwise.
 
@@ -62,6 +65,8 @@ async def describe_engine(
                     strict=False,
                     expected_engine=expected_engine,
                     expected_release=expected_release,
+                    require_known_release=require_known_release,
+                    handoff_profile=handoff_profile,
                 )
     except trio.TooSlowError:
         raise DescribeFailed(f"discovery of {engine} did not finish within {timeout:g} s") from None
@@ -155,6 +160,9 @@ def format_card(card: WorkerCard) -> str:
         f"Sidecar       {card.sidecar.version}, built for revision {card.sidecar.client_revision}, "
         f"release {card.sidecar.schema_release}",
     ]
+    compat = card.compatibility
+    if compat is not None:
+        lines.append(f"Compatibility {compat.status}: {compat.note}")
     p = card.parallelism
     par = (
         "unknown"
@@ -176,9 +184,14 @@ def format_card(card: WorkerCard) -> str:
     if kv is None:
         lines.append("KV connector  none reported")
     else:
+        source = (
+            f" ({kv.handoff_profile_source})"
+            if kv.handoff_profile_source in ("derived", "configured")
+            else ""
+        )
         lines.append(
-            f"KV connector  {kv.transfer_backend or 'unknown backend'}, profile {kv.handoff_profile or 'none'}, "
-            f"enabled {_v(kv.enabled)}, client bootstrap {_v(kv.supports_client_bootstrap)}"
+            f"KV connector  {kv.transfer_backend or 'unknown backend'}, profile {kv.handoff_profile or 'none'}"
+            f"{source}, enabled {_v(kv.enabled)}, client bootstrap {_v(kv.supports_client_bootstrap)}"
         )
         if kv.local_endpoints:
             lines.append(f"              local endpoints: {', '.join(_ep(x) for x in kv.local_endpoints)}")
@@ -205,21 +218,14 @@ def format_card(card: WorkerCard) -> str:
     for m in card.models:
         lines.extend(_model_lines(m))
     lines.append(f"Served names  {_v(card.served_model_names)}")
+    for warning in card.warnings:
+        lines.append(f"WARNING       {warning}")
     for problem in card.problems:
         lines.append(f"PROBLEM       {problem}")
     return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- command
-
-
-def _release(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    if value is None:
-        return None
-    try:
-        return parse_release(value)
-    except ValueError as err:
-        raise click.BadParameter(str(err)) from None
 
 
 @click.command("describe")
@@ -234,8 +240,20 @@ def _release(ctx: click.Context, param: click.Parameter, value: str | None) -> s
 @option(
     "--expected-schema-release",
     default=None,
-    callback=_release,
-    help="Fail unless the engine reports this schema release (40-hex commit or tag).",
+    callback=parsed(parse_release),
+    help="Fail unless the engine reports this schema release (source commit, BSR commit or tag).",
+)
+@option(
+    "--require-known-release",
+    is_flag=True,
+    default=False,
+    help="Fail when the engine's schema release is not one this build was tested with.",
+)
+@option(
+    "--handoff-profile",
+    default=None,
+    callback=parsed(parse_profile),
+    help="Handoff profile of a prefill/decode engine that advertises none (as run does).",
 )
 def describe(
     engine: str,
@@ -245,6 +263,8 @@ def describe(
     timeout: float,
     expected_engine: str | None,
     expected_schema_release: str | None,
+    require_known_release: bool,
+    handoff_profile: str | None,
 ) -> None:
     """Connect to an engine, negotiate, discover, and print its worker card."""
 
@@ -259,6 +279,8 @@ def describe(
                     timeout=timeout,
                     expected_engine=expected_engine,
                     expected_release=expected_schema_release,
+                    require_known_release=require_known_release,
+                    handoff_profile=handoff_profile,
                 )
             except DescribeFailed as err:
                 return err

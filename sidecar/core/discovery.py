@@ -5,7 +5,8 @@ Sequence: ``GetServerInfo`` → :func:`~sidecar.core.negotiation.negotiate` →
 other non-OK status → unknown, ``None``) → ``ListLoras`` when a model advertises
 ``supports_lora`` (a non-OK status → unknown) → :func:`~sidecar.core.card.build_card`.
 
-Errors: :class:`~sidecar.core.errors.NegotiationError` (revision/release/assertions) and
+Errors: :class:`~sidecar.core.errors.NegotiationError` (revision/release/assertions, an
+untested release under ``require_known_release``) and
 :class:`~sidecar.core.errors.DiscoveryError` (a failing ``GetModelInfo``, or card
 problems when ``strict``) are fatal and not retryable. Transport failures propagate as
 the OpenEngine layer's ``EngineUnavailable`` (retryable: call :func:`discover` again).
@@ -19,6 +20,7 @@ import logging
 from typing import Protocol
 
 from sidecar.core.card import WorkerCard, build_card
+from sidecar.core.compat import require_known
 from sidecar.core.errors import DiscoveryError
 from sidecar.core.negotiation import negotiate
 from sidecar.openengine import pb
@@ -71,6 +73,8 @@ async def discover(
     model: str | None = None,
     strict: bool = True,
     info: pb.ServerInfo | None = None,
+    handoff_profile: str | None = None,
+    require_known_release: bool = False,
 ) -> WorkerCard:
     """Run discovery against ``client`` and return the worker card.
 
@@ -78,6 +82,8 @@ async def discover(
     default, used by ``run``), a card with problems raises ``DiscoveryError``; with
     ``strict=False`` (``describe``) the card is returned with its ``problems`` filled.
     ``info`` reuses a ``ServerInfo`` the caller already fetched (no second call).
+    ``handoff_profile`` is the operator's ``--handoff-profile``; ``require_known_release``
+    raises :class:`NegotiationError` for a release this build was not tested with.
     """
     if info is None:
         info = await client.get_server_info()
@@ -102,8 +108,16 @@ async def discover(
     else:
         loras = None
     card = build_card(
-        info, negotiated, model_infos, kv_event_sources=sources, lora_adapters=loras, only_model=model
+        info,
+        negotiated,
+        model_infos,
+        kv_event_sources=sources,
+        lora_adapters=loras,
+        only_model=model,
+        handoff_profile=handoff_profile,
     )
+    if require_known_release and card.compatibility is not None:
+        require_known(info.engine_name, card.compatibility)
     if strict and card.problems:
         more = f" (and {len(card.problems) - 1} more)" if len(card.problems) > 1 else ""
         raise DiscoveryError(f"cannot serve {info.engine_name or 'the engine'}: {card.problems[0]}{more}")

@@ -17,9 +17,11 @@ Decisions where the schema is silent:
 
 - An empty ``transfer_backend`` in the session is accepted (not every engine sets
   it); a non-empty one must equal the connector's (case-insensitive).
-- An empty ``handoff_profile`` is accepted only on client-bootstrap connectors,
-  where the client (not an engine) builds the session; a context-first session
-  always comes from a prefill engine's ``PrefillReady`` and must name its profile.
+- An empty ``handoff_profile`` is accepted on client-bootstrap connectors, where
+  the client (not an engine) builds the session, and on connectors whose profile was
+  derived or configured (an older schema without the field: its prefill engines cannot
+  name it); otherwise a context-first session comes from a prefill engine's
+  ``PrefillReady`` and must name its profile. A named profile must always match.
 - On a client-bootstrap prefill, the bootstrap endpoint must be one of this engine's
   ``kv_connector.local_endpoints`` (host and port): a misrouted prefill would
   otherwise wait in "bootstrapping" until SGLang's timeout.
@@ -142,7 +144,7 @@ def check_decode_session(
     """Envelope of the session a decode request carries (from ``PrefillReady`` or the P/D client)."""
     kv = _connector(card)
     bootstrap_mode = kv.uses_client_bootstrap
-    _check_profile_backend(session, kv, require_profile=not bootstrap_mode)
+    _check_profile_backend(session, kv, require_profile=not bootstrap_mode and kv.requires_session_profile)
     _check_rank(session, card, target_dp_rank)
     if bootstrap_mode:
         if session.bootstrap is None:

@@ -49,6 +49,10 @@ class SidecarConfig:
     model: str | None = None
     expected_engine: str | None = None
     expected_release: str | None = None
+    #: ``--handoff-profile``: the profile of a P/D engine that advertises none.
+    handoff_profile: str | None = None
+    #: ``--require-known-release``: refuse a schema release this build was not tested with.
+    require_known_release: bool = False
     startup_deadline: float = 300.0
     health_interval: float = 1.0
     load_interval: float = 1.0
@@ -95,6 +99,7 @@ class Sidecar:
         #: ``/ready`` but never blocking admission (the other planes still serve).
         self.plane_problems: dict[str, str] = {}
         self._engine_lost = trio.Event()
+        self._warned: set[str] = set()
         metrics.ENGINE_CHANNELS.set_function(lambda: getattr(engine, "generate_channel_count", 0))
 
     # -- readiness -------------------------------------------------------------------------
@@ -320,7 +325,13 @@ class Sidecar:
             expected_engine=self.config.expected_engine,
             expected_release=self.config.expected_release,
             model=self.config.model,
+            handoff_profile=self.config.handoff_profile,
+            require_known_release=self.config.require_known_release,
         )
+        for warning in card.warnings:  # each once per process, not at every rediscovery
+            if warning not in self._warned:
+                self._warned.add(warning)
+                log.warning("%s", warning)
         return msgspec.structs.replace(card, kv_publish_endpoints=list(self.config.kv_publish_endpoints))
 
     async def watch_engine(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -457,6 +468,10 @@ class Sidecar:
         log.info("drained")
 
     async def _drain_engine(self) -> None:
+        compat = self.card.compatibility if self.card is not None else None
+        if compat is not None and compat.features.get("drain") is False:
+            log.info("engine schema %s has no Drain RPC; draining locally only", compat.known_release)
+            return
         request = pb.DrainRequest(
             stop_accepting_new_requests=True,
             deadline_ms=int(self.config.drain_timeout * 1000),

@@ -211,7 +211,10 @@ def test_problems() -> None:
     info.kv_connector = pb.KvConnectorInfo(enabled=False, handoff_profile="x")
     assert "decode engine advertises no enabled KV connector" in card_of((info, models)).problems
     info.kv_connector = pb.KvConnectorInfo(enabled=True)
-    assert "decode engine's KV connector advertises no handoff_profile" in card_of((info, models)).problems
+    problems = card_of((info, models)).problems
+    assert problems[0].startswith(
+        "decode engine's KV connector advertises no handoff_profile and none derives"
+    )
     info, models = sglang_info(R.PREFILL)
     assert info.kv_connector is not None
     info.kv_connector.local_endpoints = []

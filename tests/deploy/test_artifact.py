@@ -18,6 +18,7 @@ from packaging.utils import canonicalize_name
 
 from sidecar import __version__, version
 from sidecar.core.card import SidecarCard
+from sidecar.openengine.releases import KNOWN_RELEASES
 from sidecar.openengine.revision import SCHEMA_RELEASE
 from tests.deploy.helpers import ROOT
 
@@ -28,11 +29,15 @@ def test_version_prints_version_commit_and_schema_release() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "sidecar", "--version"], capture_output=True, text=True, check=True, timeout=60
     ).stdout.splitlines()
-    assert out == [
+    assert out[:4] == [
         f"openengine-sidecar {__version__}",
         f"commit {version.source_commit()}",
         f"openengine schema release {SCHEMA_RELEASE} (ai-dynamo/openengine, revision 3)",
+        "known schema releases (others are served by feature detection, with a warning):",
     ]
+    # the table of tested releases, one line each: name, source commit, revision lineage
+    assert [line.split()[:2] for line in out[4:]] == [[k.name, k.source_commits[0]] for k in KNOWN_RELEASES]
+    assert "revision 1 (restarted numbering)" in out[-1] and "drain" not in out[-1]
 
 
 def test_checkout_commit_is_head() -> None:
