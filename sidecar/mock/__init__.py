@@ -8,7 +8,8 @@ asyncio programs built on the generated grpclib bases through
 Modules:
 
 - :mod:`.config` (``EngineConfig``), :mod:`.faults` (``--fault`` switches),
-  :mod:`.flavors` (per-flavour discovery);
+  :mod:`.flavors` (per-flavour discovery), :mod:`.schemas` (the OpenEngine schema an
+  engine is built on: ``--schema a66ff6f|4def7c5|31be5db``, ``--release-form``);
 - :mod:`.tokenizer` (documented vocabulary), :mod:`.generator` (seeded tokens, stop
   rules, logprobs), :mod:`.validation` (checks before acceptance),
   :mod:`.scheduler` (admission), :mod:`.lora`, :mod:`.counters` (ground truth in

@@ -21,7 +21,8 @@ import click
 
 from sidecar.cli_options import option
 from sidecar.mock.app import ServingInfo, serve_engine
-from sidecar.mock.config import FLAVORS, ROLES, EngineConfig
+from sidecar.mock.config import FLAVORS, ROLES, SCHEMA_NAMES, EngineConfig
+from sidecar.mock.schemas import RELEASE_FORMS
 from sidecar.mock.faults import FaultSpecError, parse_faults
 
 ENV_PREFIX = "OPENENGINE_SIDECAR_MOCK_"
@@ -49,6 +50,20 @@ def write_ready(path: str, info: ServingInfo) -> None:
 @click.command("mock-engine")
 @_opt("--flavor", type=click.Choice(FLAVORS), default="vllm", show_default=True, help="Engine to simulate.")
 @_opt("--role", type=click.Choice(ROLES), default="aggregated", show_default=True)
+@_opt(
+    "--schema",
+    type=click.Choice(SCHEMA_NAMES),
+    default="a66ff6f",
+    show_default=True,
+    help="OpenEngine schema the engine is built on: what it advertises, sends and understands.",
+)
+@_opt(
+    "--release-form",
+    type=click.Choice(RELEASE_FORMS),
+    default="source",
+    show_default=True,
+    help="schema_release as a source commit, a (synthetic) BSR commit or a buf.build/... reference.",
+)
 @_opt(
     "--listen", default="127.0.0.1:50051", show_default=True, help="HOST:PORT (port 0 = any) or unix:///PATH."
 )
@@ -113,6 +128,8 @@ def mock_engine(**kw: Any) -> None:
         config = EngineConfig(
             flavor=kw["flavor"],
             role=kw["role"],
+            schema=kw["schema"],
+            release_form=kw["release_form"],
             listen=kw["listen"],
             model=kw["model"],
             aliases=tuple(kw["aliases"]),

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from sidecar.mock.faults import Faults
+from sidecar.mock.schemas import RELEASE_FORMS, SCHEMAS
 
 Flavor = Literal["trtllm", "vllm", "sglang"]
 Role = Literal["aggregated", "prefill", "decode"]
@@ -13,6 +14,8 @@ KvEventsMode = Literal["auto", "zmq", "grpc", "none"]
 OrphanPolicy = Literal["hold", "release"]
 
 FLAVORS: tuple[str, ...] = ("trtllm", "vllm", "sglang")
+#: Schemas a simulated engine can be built on (``sidecar.mock.schemas``).
+SCHEMA_NAMES: tuple[str, ...] = tuple(SCHEMAS)
 ROLES: tuple[str, ...] = ("aggregated", "prefill", "decode")
 
 
@@ -62,12 +65,18 @@ class EngineConfig:
     instance_id: str = ""  # "" = derived from flavour, role and listen address
     engine_version: str = ""  # "" = the flavour's default
     faults: Faults = field(default_factory=Faults)
+    schema: str = "a66ff6f"  # the OpenEngine schema the engine is built on (SCHEMA_NAMES)
+    release_form: str = "source"  # how it advertises its release (RELEASE_FORMS)
 
     def __post_init__(self) -> None:
         if self.flavor not in FLAVORS:
             raise ValueError(f"flavor must be one of {FLAVORS}, got {self.flavor!r}")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.schema not in SCHEMA_NAMES:
+            raise ValueError(f"schema must be one of {SCHEMA_NAMES}, got {self.schema!r}")
+        if self.release_form not in RELEASE_FORMS:
+            raise ValueError(f"release_form must be one of {RELEASE_FORMS}, got {self.release_form!r}")
         for name in ("dp_size", "tp_size", "kv_block_size", "total_kv_blocks", "max_running"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+from sidecar.mock import schemas
 from sidecar.mock.engine import MockEngine
 from sidecar.mock.validation import Rejection
 from sidecar.openengine import pb
@@ -43,6 +44,8 @@ async def drain(engine: MockEngine, request: pb.DrainRequest) -> AsyncIterator[p
     """The Drain stream (an async generator; refusals raise :class:`Rejection` before the first event)."""
     if engine.config.faults.no_drain:
         raise Rejection("UNIMPLEMENTED", "Drain is not implemented by this engine (fault no-drain)")
+    if not schemas.has(engine.config, "drain"):
+        raise Rejection("UNIMPLEMENTED", f"Drain is not part of schema {engine.config.schema}")
     loop = asyncio.get_running_loop()
     faults = engine.config.faults
     if request.stop_accepting_new_requests and not faults.has("drain-keeps-accepting"):

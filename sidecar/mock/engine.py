@@ -26,7 +26,7 @@ from typing import Any
 
 import betterproto2
 
-from sidecar.mock import flavors
+from sidecar.mock import flavors, schemas
 from sidecar.mock import generator as gen
 from sidecar.mock.config import EngineConfig
 from sidecar.mock.counters import Counters
@@ -259,7 +259,7 @@ class MockEngine:
             raise Rejection("UNAVAILABLE", "engine is starting")
         if self.draining:
             raise Rejection("UNAVAILABLE", "engine is draining; not accepting new requests")
-        plan = validate(request, metadata, self.view())
+        plan = validate(schemas.as_seen(self.config, request), metadata, self.view())
         rid = request.request_id or f"mock-{next(self._ids)}"
         if rid in self.requests:
             raise Rejection("ALREADY_EXISTS", f"request {rid!r} is already in flight")
@@ -268,7 +268,7 @@ class MockEngine:
         session = plan.kv_session
         try:
             if self.config.role == "decode" and session is not None:
-                locator = resolve_session(session)
+                locator = resolve_session(session, default_profile=self.flavor.handoff_profile)
             elif self.config.role == "prefill" and session is not None and self.transfer is not None:
                 room = prefill_bootstrap_room(session, self.transfer.endpoint)
         except InvalidKvSession as err:
@@ -469,7 +469,7 @@ class MockEngine:
                 return pb.AbortStatus.ABORTED, f"request {value} aborted (fault: it never existed)"
             raise Rejection("NOT_FOUND", f"abort: no request {value!r}")
         if name == "kv_session":
-            return self._abort_session(value, ignore)
+            return self._abort_session(schemas.session_as_seen(self.config, value), ignore)
         if name == "all_requests":
             reqs = list(self.requests.values())
             sessions = 0

@@ -4,21 +4,20 @@ The three flavours differ the way the real engines do (docs/design/engine-facts.
 engine name and version, handoff profile and transfer backend, SGLang's client
 bootstrap, multimodal support, logprob and guided-decoding capabilities, and the
 request knobs each accepts. Behaviour elsewhere follows these tables, never a flavour
-name switch.
+name switch. What is advertised is cut to the schema the engine is built on
+(:mod:`sidecar.mock.schemas`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from sidecar.mock import schemas
 from sidecar.mock import tokenizer as tok
 from sidecar.mock.config import EngineConfig
 from sidecar.openengine import pb
-from sidecar.openengine.revision import SCHEMA_RELEASE
 
-SCHEMA_REVISION = 3
-MINIMUM_CLIENT_REVISION = 1
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
 TOKENIZER_SOURCE = "openengine-sidecar/mock-tokenizer-v1"
 #: Placeholder tokens one media item expands to, per modality.
@@ -174,7 +173,12 @@ FLAVORS: dict[str, FlavorSpec] = {
 
 
 def flavor_spec(config: EngineConfig) -> FlavorSpec:
-    return FLAVORS[config.flavor]
+    """The flavour as built on the configured schema (no client bootstrap where the schema
+    has none: SGLang then hands over context-first, the prefill choosing the room)."""
+    spec = FLAVORS[config.flavor]
+    if spec.client_bootstrap and not schemas.has(config, "clientBootstrap"):
+        spec = replace(spec, client_bootstrap=False)
+    return spec
 
 
 def accepted_modalities(config: EngineConfig) -> tuple[pb.Modality, ...]:
@@ -220,12 +224,13 @@ def kv_connector_info(config: EngineConfig, endpoints: Sequence[pb.KvEndpoint]) 
 def server_info(
     config: EngineConfig, *, instance: str, endpoints: Sequence[pb.KvEndpoint] = ()
 ) -> pb.ServerInfo:
-    """ServerInfo as the flavour reports it (faults may falsify revision/release/role)."""
+    """ServerInfo as the flavour reports it on its schema (faults may falsify revision/release/role)."""
     spec = flavor_spec(config)
+    schema = schemas.schema_of(config)
     f = config.faults
     role = f.wrong_role or config.role
     zero = f.has("zero-presence")  # fault: explicit zeros where "unknown" means absent
-    return pb.ServerInfo(
+    info = pb.ServerInfo(
         engine_name=spec.engine_name,
         engine_version=config.engine_version or spec.engine_version,
         engine_role=role_enum(role),
@@ -239,11 +244,11 @@ def server_info(
             decode_context_parallel_size=0 if zero else 1,
         ),
         kv_connector=kv_connector_info(config, endpoints),
-        schema_revision=SCHEMA_REVISION if f.wrong_revision is None else f.wrong_revision,
+        schema_revision=schema.revision if f.wrong_revision is None else f.wrong_revision,
         minimum_client_revision=(
-            MINIMUM_CLIENT_REVISION if f.wrong_min_client is None else f.wrong_min_client
+            schema.minimum_client_revision if f.wrong_min_client is None else f.wrong_min_client
         ),
-        schema_release=SCHEMA_RELEASE if f.wrong_release is None else f.wrong_release,
+        schema_release=schemas.advertised_release(config) if f.wrong_release is None else f.wrong_release,
         capacity=pb.DeploymentCapacity(
             kv_block_size=0 if zero else config.kv_block_size,
             total_kv_blocks=config.total_kv_blocks * config.dp_size,
@@ -255,6 +260,7 @@ def server_info(
             {"mock": True, "flavor": config.flavor, "fast": config.fast, "vocab_size": tok.VOCAB_SIZE}
         ),
     )
+    return schemas.advertise(config, info)
 
 
 def _logprob_caps(caps: LogprobCaps) -> pb.LogprobCapabilities:
@@ -268,7 +274,7 @@ def model_info(config: EngineConfig) -> pb.ModelInfo:
     spec = flavor_spec(config)
     name = model_name(config)
     modalities = accepted_modalities(config)
-    return pb.ModelInfo(
+    info = pb.ModelInfo(
         model_id=name,
         served_model_name=name,
         served_model_aliases=list(config.aliases)
@@ -312,3 +318,4 @@ def model_info(config: EngineConfig) -> pb.ModelInfo:
             routing_image_token_id=tok.IMAGE_ID,
         ),
     )
+    return schemas.advertise(config, info)

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from sidecar.mock import events as ev
 from sidecar.mock import generator as gen
+from sidecar.mock import schemas
 from sidecar.mock import tokenizer as tok
 from sidecar.mock import transfer as xfer
 from sidecar.mock.engine import ABORTED, COMPLETED, DROPPED, FAILED, MockEngine, Request
@@ -298,6 +299,15 @@ async def _hand_off(stream: _Stream) -> None:
             dp_rank=req.rank,
             transfer_backend=spec.transfer_backend,
         )
+    elif spec.handoff_profile == xfer.SGLANG_PROFILE:  # a schema without client bootstrap
+        sid = f"{req.id}@{engine.instance_id}"
+        payload = xfer.KvSessionPayload.from_allocation(sid, alloc)
+        server.hold(payload, release=lambda: cache.release(alloc))
+        req.extra["blocks_handed_off"] = True
+        req.session_id = sid
+        ref = xfer.sglang_context_session_ref(
+            session_id=sid, endpoint=server.endpoint, dp_rank=req.rank, transfer_backend=spec.transfer_backend
+        )
     elif spec.handoff_profile == xfer.TRTLLM_PROFILE:
         ctx_id = xfer.new_ctx_request_id()
         payload = xfer.KvSessionPayload.from_allocation(str(ctx_id), alloc)
@@ -327,6 +337,7 @@ async def _hand_off(stream: _Stream) -> None:
             tp_size=engine.config.tp_size,
             transfer_backend=spec.transfer_backend,
         )
+    ref = schemas.advertise(engine.config, ref)
     await stream.send(ev.prefill_ready_event(req.id, ref, stream.usage()))
 
 

@@ -58,7 +58,10 @@ doubles, so integers that may exceed 2**53 travel as decimal strings):
   ``ctx_dp_rank``, ``ctx_info_endpoint`` (``tcp://host:port``, pulled from).
 * ``sglang.bootstrap.v1``: ``bootstrap_host``, ``bootstrap_port``,
   ``bootstrap_room`` (decimal string) echoing ``KvSessionRef.bootstrap``, which
-  the client set identically on the prefill and the decode request.
+  the client set identically on the prefill and the decode request. On a schema
+  without client bootstrap (``sidecar.mock.schemas``) the prefill picks the room,
+  holds the blocks like vLLM and returns the same attributes in ``PrefillReady``
+  (``sglang_context_session_ref``); the decode pulls them by session id.
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ from sidecar.mock.transfer_session import (
     new_ctx_request_id,
     prefill_bootstrap_room,
     resolve_session,
+    sglang_context_session_ref,
     sglang_session_ref,
     trtllm_session_ref,
     verify_payload,
@@ -112,6 +116,7 @@ __all__ = [
     "prefill_bootstrap_room",
     "pull_session",
     "resolve_session",
+    "sglang_context_session_ref",
     "sglang_session_ref",
     "trtllm_session_ref",
     "verify_payload",

@@ -33,6 +33,7 @@ __all__ = [
     "new_ctx_request_id",
     "prefill_bootstrap_room",
     "resolve_session",
+    "sglang_context_session_ref",
     "sglang_session_ref",
     "trtllm_session_ref",
     "verify_payload",
@@ -205,6 +206,16 @@ def trtllm_session_ref(
     return _ref(TRTLLM_PROFILE, str(ctx_request_id), transfer_backend, endpoint, dp_rank, attrs)
 
 
+def sglang_context_session_ref(
+    *, session_id: str, endpoint: pb.KvEndpoint, dp_rank: int = 0, transfer_backend: str = "mooncake"
+) -> pb.KvSessionRef:
+    """SGLang on a schema without client bootstrap: the prefill picks the room and hands the
+    rendezvous over in ``PrefillReady`` (context-first); the decode pulls by session id."""
+    room = secrets.randbits(63) or 1
+    attrs = {"bootstrap_host": endpoint.host, "bootstrap_port": endpoint.port, "bootstrap_room": str(room)}
+    return _ref(SGLANG_PROFILE, session_id, transfer_backend, endpoint, dp_rank, attrs)
+
+
 def sglang_session_ref(
     *, bootstrap: pb.KvBootstrap, session_id: str, dp_rank: int = 0, transfer_backend: str = "mooncake"
 ) -> pb.KvSessionRef:
@@ -263,10 +274,12 @@ def _hostport(url: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def resolve_session(ref: pb.KvSessionRef) -> SessionLocator:
-    """Read a decode request's ``KvSessionRef`` per its handoff profile. Raises :class:`InvalidKvSession`."""
+def resolve_session(ref: pb.KvSessionRef, *, default_profile: str = "") -> SessionLocator:
+    """Read a decode request's ``KvSessionRef`` per its handoff profile (``default_profile``, the
+    engine's own, when the session names none: a schema without the field). Raises
+    :class:`InvalidKvSession`."""
     attrs = ref.attributes_struct.to_dict() if ref.attributes_struct is not None else {}
-    profile = ref.handoff_profile
+    profile = ref.handoff_profile or default_profile
     if profile == VLLM_PROFILE:
         if attrs.get("do_remote_prefill") is not True:
             raise InvalidKvSession("vLLM handoff without do_remote_prefill=true")
@@ -305,6 +318,10 @@ def resolve_session(ref: pb.KvSessionRef) -> SessionLocator:
             expected_num_blocks=n,
             opaque_digest=digest,
         )
+    if (profile == SGLANG_PROFILE and ref.bootstrap is None) and ref.endpoints and ref.session_id:
+        ep = ref.endpoints[0]  # context-first SGLang (no client bootstrap): pull what the prefill holds
+        _attr(attrs, "bootstrap_room", str)
+        return SessionLocator(profile, "pull", ep.host, ep.port, ref.session_id, ref.dp_rank)
     if profile == SGLANG_PROFILE or ref.bootstrap is not None:
         bs = ref.bootstrap
         if bs is None or bs.endpoint is None or not bs.endpoint.host or not bs.endpoint.port:

@@ -19,6 +19,7 @@ from typing import Any
 import betterproto2
 
 from sidecar.mock import generator as gen
+from sidecar.mock import schemas
 from sidecar.mock import tokenizer as tok
 from sidecar.mock.config import EngineConfig
 from sidecar.mock.faults import FaultSpecError, StreamFaults, parse_stream_faults
@@ -345,7 +346,7 @@ def _session_checks(session: pb.KvSessionRef | None, view: EngineView, md: Routi
     else:
         if not session.session_id:
             raise _invalid("kv.session.session_id is required")
-        if not session.handoff_profile:
+        if not session.handoff_profile and schemas.has(view.config, "handoffProfile"):
             raise _invalid("kv.session.handoff_profile is required")
 
 
