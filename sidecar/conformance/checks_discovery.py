@@ -7,6 +7,7 @@ from typing import Any
 from sidecar.conformance.context import Context
 from sidecar.conformance.kv_watch import kv_sources
 from sidecar.conformance.model import Fail, Skip, check, require
+from sidecar.core.handoff_profiles import derive_profile
 from sidecar.core.negotiation import RELEASE_FORMS, numbering_of
 from sidecar.openengine import pb
 from sidecar.openengine.errors import EngineStatusError
@@ -284,14 +285,16 @@ async def kv_sources_ranks(ctx: Context) -> str | None:
 @check(
     "discovery.connector-role",
     rule="the role is known and the KV connector fits it: prefill and decode engines advertise an "
-    "enabled connector with a handoff profile and transfer backend (client-bootstrap prefill: a local "
-    "endpoint); Health agrees with the advertised role",
+    "enabled connector with a handoff profile (schemas without the field: one derives from engine name and "
+    "transfer backend) and transfer backend (client-bootstrap prefill: a local endpoint); Health agrees "
+    "with the advertised role",
     ref=IDENTITY,
 )
 async def connector_role(ctx: Context) -> str | None:
     info = await ctx.server_info()
     role = info.engine_role
     problems = []
+    notes: list[str] = []
     if role not in (pb.EngineRole.AGGREGATED, pb.EngineRole.PREFILL, pb.EngineRole.DECODE):
         raise Fail(f"engine_role is {role!r}: not a role a client can route to")
     kv = info.kv_connector
@@ -301,7 +304,8 @@ async def connector_role(ctx: Context) -> str | None:
             problems.append(f"{name} engine: kv_connector is {'absent' if kv is None else 'not enabled'}")
         else:
             if not kv.handoff_profile:
-                problems.append(f"{name} engine: kv_connector.handoff_profile is empty")
+                acceptable, why = _missing_profile(info, kv)
+                (notes if acceptable else problems).append(f"{name} engine: {why}")
             if not kv.transfer_backend:
                 problems.append(f"{name} engine: kv_connector.transfer_backend is empty")
             if role == pb.EngineRole.PREFILL and kv.supports_client_bootstrap:
@@ -313,4 +317,21 @@ async def connector_role(ctx: Context) -> str | None:
         if hc.name == "role" and hc.state == pb.HealthState.NOT_READY:
             problems.append(f"Health asked about role {name} reports the role check NOT_READY: {hc.message}")
     require(not problems, problems[0] if problems else "", problems)
-    return name
+    return "; ".join([name, *notes])
+
+
+def _missing_profile(info: pb.ServerInfo, kv: pb.KvConnectorInfo) -> tuple[bool, str]:
+    """Whether an empty ``handoff_profile`` is acceptable (a schema without the field whose
+    profile derives), and why."""
+    release = parse_release(info.schema_release)
+    known = find_known(release) if release is not None else None
+    derived = derive_profile(info.engine_name, kv.transfer_backend)
+    if known is not None and "handoffProfile" in known.features:
+        return False, f"kv_connector.handoff_profile is empty although schema {known.name} defines it"
+    if derived is None:
+        return False, (
+            f"kv_connector.handoff_profile is empty and none derives from engine {info.engine_name!r} with "
+            f"transfer backend {kv.transfer_backend!r}"
+        )
+    schema = f"schema {known.name}" if known is not None else "schema (untested release)"
+    return True, f"{schema} has no handoff_profile: derived {derived}"

@@ -18,7 +18,9 @@ ERRORS = spec_url("standard-errors")
 
 
 def _judge(corpus: Corpus, records: list[StreamRecord], rule: Callable[[StreamRecord], list[str]]) -> str:
-    violations = [v for rec in records for v in rule(rec)]
+    """Apply ``rule`` to every record in scope; a stream lost before its terminal event breaks
+    every rule that judges it (it is never skipped or passed as if it had ended)."""
+    violations = [v for rec in records for v in rules.lost_violations(rec) + rule(rec)]
     require(not violations, violations[0] if violations else "", violations)
     return (
         f"{len(records)} stream(s): "
@@ -52,9 +54,9 @@ async def output_index(ctx: Context) -> str | None:
 )
 async def one_finish(ctx: Context) -> str | None:
     corpus = await get_corpus(ctx)
-    records = [r for r in corpus.answered if r.end == "ok"]
+    records = [r for r in corpus.answered if r.end in ("ok", "transport")]
     if not records:
-        raise Skip("no stream the engine closed OK")
+        raise Skip("no accepted stream that the engine closed OK or lost")
     prefill = corpus.mode != "aggregated"
     result = _judge(corpus, records, lambda r: rules.finish_count_violations(r, prefill=prefill))
     if corpus.mode == "aggregated" and corpus.get("multi") is None:
@@ -115,9 +117,9 @@ async def nothing_after_error(ctx: Context) -> str | None:
 )
 async def usage_final(ctx: Context) -> str | None:
     corpus = await get_corpus(ctx)
-    records = [r for r in corpus.answered if r.end == "ok"]
+    records = [r for r in corpus.answered if r.end in ("ok", "transport")]
     if not records:
-        raise Skip("no stream the engine closed OK")
+        raise Skip("no accepted stream that the engine closed OK or lost")
     return _judge(corpus, records, rules.usage_violations)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -53,10 +53,13 @@ class SuiteOptions:
 class LiveStream:
     """One open Generate call read event by event into its :class:`StreamRecord`."""
 
-    def __init__(self, stream: Any, record: StreamRecord) -> None:
+    def __init__(
+        self, stream: Any, record: StreamRecord, on_transport: Callable[[], None] | None = None
+    ) -> None:
         self._stream = stream
         self.record = record
         self.done = False
+        self._on_transport = on_transport
 
     async def next(self) -> pb.GenerateResponse | None:
         """The next event, or ``None`` once the call ended (how is in ``record.end``)."""
@@ -73,6 +76,8 @@ class LiveStream:
             return None
         except (EngineUnavailable, EngineClientError) as err:
             self.done, rec.end, rec.error = True, "transport", str(err)
+            if self._on_transport is not None:
+                self._on_transport()
             return None
         rec.events.append(event)
         return event
@@ -113,6 +118,12 @@ class Context:
         self._info: dict[str, pb.ServerInfo | BaseException] = {}
         self._model_info: dict[str, pb.ModelInfo | BaseException] = {}
         self.cache: dict[str, Any] = {}
+        #: Generate calls that ended with a lost connection so far (the runner then checks
+        #: whether the engine is still there).
+        self.transport_errors = 0
+
+    def _saw_transport_error(self) -> None:
+        self.transport_errors += 1
 
     # -- clients and discovery ----------------------------------------------------------
 
@@ -246,7 +257,7 @@ class Context:
         """Open a raw Generate call; leaving the block early records ``end = "left"``."""
         record = StreamRecord(label or request.request_id, request)
         async with raw_generate(self.client(which), request, metadata=metadata) as stream:
-            live = LiveStream(stream, record)
+            live = LiveStream(stream, record, self._saw_transport_error)
             try:
                 yield live
             finally:

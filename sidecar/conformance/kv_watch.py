@@ -6,6 +6,14 @@ from, its events normalized by the KV bridge's decoders). Native
 (``SubscribeKvEvents``) is used when the engine advertises a ``grpc`` source or none at
 all; otherwise one ZMQ SUB per advertised ``zmq`` source.
 
+A ZMQ subscriber joins asynchronously: :func:`open_watcher` waits (at most ``JOIN_WAIT``)
+until each SUB socket completed its handshake with the publisher, so batches published
+after the block started are not lost to a late join.
+
+:func:`open_monitor` holds one watcher for a whole conformance run (opened before the first
+check): ``kv.sequence`` judges contiguity over every batch from the first one the engine
+published, wherever in the run a gap happened (:func:`kv_monitor`).
+
 Resources: the gRPC stream or the ZMQ context and its sockets, all closed (``linger=0``)
 when the block ends; receiving runs in a nursery owned by the block.
 """
@@ -34,12 +42,16 @@ from sidecar.openengine.errors import EngineClientError, EngineStatusError
 from sidecar.openengine.raw import raw_subscribe_kv_events
 
 PROBE = 0.5
+#: Longest wait for a ZMQ subscriber's handshake with its publisher.
+JOIN_WAIT = 2.0
 
 __all__ = [
     "KvWatcher",
     "SeenBatch",
+    "kv_monitor",
     "kv_sources",
     "kv_transport",
+    "open_monitor",
     "open_watcher",
     "replay",
     "stored_runs",
@@ -221,6 +233,7 @@ async def open_watcher(
     watcher = KvWatcher("zmq")
     zctx = zmq.Context()
     socks: list[zmq.Socket] = []
+    monitors: list[zmq.Socket] = []
     try:
         async with open_background_nursery() as nursery:
             first = (await ctx.dp_ranks())[0]
@@ -232,16 +245,48 @@ async def open_watcher(
                 socks.append(sock)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SUBSCRIBE, s.topic.encode())
+                monitors.append(sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED))
                 sock.connect(_endpoint(s))
                 nursery.start_soon(_zmq_one, sock, rank, watcher, MsgpackBatchDecoder())
+            with trio.move_on_after(JOIN_WAIT):
+                for monitor in monitors:
+                    await recv_multipart(monitor)  # the only event asked for: handshake done
+            for sock in socks:
+                sock.disable_monitor()
             try:
                 yield watcher
             finally:
                 nursery.cancel_scope.cancel()
     finally:
-        for sock in socks:
+        for sock in [*monitors, *socks]:
             sock.close(linger=0)
         zctx.term()
+
+
+@asynccontextmanager
+async def open_monitor(ctx: Context) -> AsyncIterator[None]:
+    """Watch every rank of the engine for the block (a conformance run); :func:`kv_monitor`
+    returns the watcher, or re-raises why there is none (``Skip`` / ``Fail``)."""
+    entered = False
+    try:
+        async with open_watcher(ctx) as watcher:
+            entered = True
+            ctx.cache["kv_monitor"] = watcher
+            yield
+    except (Skip, Fail) as err:
+        if entered:
+            raise
+        ctx.cache["kv_monitor"] = err
+    if not entered:
+        yield
+
+
+def kv_monitor(ctx: Context) -> KvWatcher | None:
+    """The run-wide watcher (``None`` when no run opened one, e.g. a check run on its own)."""
+    cached = ctx.cache.get("kv_monitor")
+    if isinstance(cached, Exception):
+        raise cached
+    return cached  # type: ignore[no-any-return]
 
 
 async def replay(source: pb.KvEventSource, start: int, timeout: float = 3.0) -> tuple[list[int], str]:

@@ -53,9 +53,11 @@ def format_summary(report: Report) -> str:
     )
     verdict = "FAILED" if report.failed else "OK"
     n = len(report.results)
+    lost = f"; stopped: engine lost during {report.engine_lost}" if report.engine_lost else ""
     return (
         f"{verdict}: {n} check{'' if n == 1 else 's'}{target}: {report.count(Status.PASS)} passed, "
         f"{report.count(Status.FAIL)} failed, {report.count(Status.SKIP)} skipped in {report.duration:.1f} s"
+        f"{lost}"
     )
 
 

@@ -6,6 +6,16 @@ order (``discovery``, ``generate``, ``errors``, ``cancel``, ``lora``, ``kv``, ``
 ``drain`` last because it is destructive), each bounded by its own timeout; cancelling
 :func:`run_suite` cancels the running check and closes every connection. Must run inside
 ``trio_asyncio.open_loop()``.
+
+Engine lost: after a check that did not pass or saw a connection end, every engine is asked
+``GetServerInfo`` (bounded by ``connect_timeout``). One that is unreachable stops the run:
+that check fails with "engine lost during <check>" (its own finding kept as detail) and
+every later check is reported skipped ("not run"), instead of failing for a cause that is
+not theirs. An engine that answers slowly is not "lost"; each check judges that itself.
+
+KV sequence monitor: when a ``kv`` check is selected, one subscription to the engine's KV
+events is opened before the first check and held to the end (``kv_watch.open_monitor``), so
+``kv.sequence`` judges every batch from the first the engine published during the run.
 """
 
 from __future__ import annotations
@@ -22,10 +32,11 @@ import trio
 
 from sidecar import __version__
 from sidecar.conformance.context import Context, SuiteOptions
+from sidecar.conformance.kv_watch import open_monitor
 from sidecar.conformance.model import CHECKS, Check, Fail, Result, Skip, Status, select_checks
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
-from sidecar.openengine.errors import EngineClientError, EngineConfigError
+from sidecar.openengine.errors import EngineClientError, EngineConfigError, EngineUnavailable
 from sidecar.openengine.revision import CLIENT_REVISION, SCHEMA_RELEASE
 
 __all__ = ["GROUP_ORDER", "Progress", "Report", "SuiteError", "all_checks", "run_check", "run_suite"]
@@ -74,6 +85,8 @@ class Report:
     deselected: list[str] = field(default_factory=list)
     started_at: str = ""
     duration: float = 0.0
+    #: ``"<check id>: <why>"`` when an engine became unreachable and the run stopped.
+    engine_lost: str | None = None
 
     def count(self, status: Status) -> int:
         return sum(1 for r in self.results if r.status == status)
@@ -98,6 +111,7 @@ class Report:
                 "fail": self.count(Status.FAIL),
                 "skip": self.count(Status.SKIP),
                 "ok": not self.failed,
+                "engine_lost": self.engine_lost,
             },
             "checks": [r.to_json() for r in self.results],
             "deselected": list(self.deselected),
@@ -151,6 +165,25 @@ async def run_check(ctx: Context, check: Check) -> Result:
     return Result(check, Status.PASS, note or "", duration=trio.current_time() - start)
 
 
+async def _unreachable(clients: dict[str, Any], timeout: float) -> str | None:
+    """``"--<which> <address>: <error>"`` of the first engine that cannot be reached now."""
+    for which, client in clients.items():
+        try:
+            with trio.move_on_after(timeout):
+                await client.get_server_info()
+        except EngineUnavailable as err:
+            return f"--{which} {client.address}: {err}"
+        except EngineClientError:
+            continue  # it answered (a status): alive
+    return None
+
+
+def _lost(result: Result, where: str) -> Result:
+    details = ([result.reason] if result.reason else []) + [d for d in result.details if d != result.reason]
+    reason = f"engine lost during {result.check.id}: {where}"
+    return Result(result.check, Status.FAIL, reason, details, result.duration)
+
+
 async def run_suite(
     options: SuiteOptions, *, progress: Progress | None = None, checks: Sequence[Check] | None = None
 ) -> Report:
@@ -189,13 +222,28 @@ async def run_suite(
             clients[which] = client
             report.engines[which] = _engine_json(address, info)
         ctx = Context(options, **clients)
+        if clients.get("engine") is not None and any(c.group == "kv" for c in selected):
+            await stack.enter_async_context(open_monitor(ctx))
         total = len(selected)
         for i, check in enumerate(selected):
             if progress is not None:
                 progress.started(i, total, check)
+            transport_before = ctx.transport_errors
             result = await run_check(ctx, check)
+            if result.status != Status.PASS or ctx.transport_errors != transport_before:
+                where = await _unreachable(clients, options.connect_timeout)
+                if where is not None:
+                    result = _lost(result, where)
+                    report.engine_lost = f"{check.id}: {where}"
             report.results.append(result)
             if progress is not None:
                 progress.finished(i, total, result)
+            if report.engine_lost is not None:
+                for j, rest in enumerate(selected[i + 1 :], i + 1):
+                    skipped = Result(rest, Status.SKIP, f"not run: engine lost during {check.id}")
+                    report.results.append(skipped)
+                    if progress is not None:
+                        progress.finished(j, total, skipped)
+                break
     report.duration = trio.current_time() - began
     return report

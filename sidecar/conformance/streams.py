@@ -22,6 +22,7 @@ __all__ = [
     "after_finish_violations",
     "finish_count_violations",
     "kind",
+    "lost_violations",
     "max_tokens_violations",
     "output_index_violations",
     "prompt_once_violations",
@@ -107,6 +108,17 @@ def terminal_position(rec: StreamRecord) -> int | None:
                 if len(done) == n:
                     return i
     return None
+
+
+def lost_violations(rec: StreamRecord) -> list[str]:
+    """An accepted stream whose connection was lost before its terminal event never ended:
+    the schema's stream rules cannot hold for it (every check that judges it says so)."""
+    if rec.end != "transport" or not rec.events or terminal_position(rec) is not None:
+        return []
+    return [
+        f"stream {rec.label!r}: the connection was lost after {len(rec.events)} event(s) with no terminal "
+        f"event ({rec.error or 'transport error'})"
+    ]
 
 
 def output_index_violations(rec: StreamRecord) -> list[str]:

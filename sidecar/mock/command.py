@@ -22,8 +22,8 @@ import click
 from sidecar.cli_options import option
 from sidecar.mock.app import ServingInfo, serve_engine
 from sidecar.mock.config import FLAVORS, ROLES, SCHEMA_NAMES, EngineConfig
-from sidecar.mock.schemas import RELEASE_FORMS
 from sidecar.mock.faults import FaultSpecError, parse_faults
+from sidecar.mock.schemas import RELEASE_FORMS
 
 ENV_PREFIX = "OPENENGINE_SIDECAR_MOCK_"
 

@@ -86,9 +86,7 @@ async def test_fault_fails_exactly_its_check(
     faults: tuple[str, ...],
     fields: dict[str, Any],
 ) -> None:
-    # A KV sequence fault fires at a fixed batch number: in a full run earlier checks publish
-    # that batch before kv.sequence subscribes (a gap it never sees), so it keeps its group.
-    only = () if FULL and target != "kv.sequence" else (target.split(".")[0],)
+    only = () if FULL else (target.split(".")[0],)
     async with mock(flavor, role, faults, **fields) as engine:
         report = await suite(engine=engine.address, only=only, lora_path=str(tmp_path))
     assert ids(report, Status.FAIL) == [target], explain(report)

@@ -55,7 +55,7 @@ def test_table_shows_rule_result_and_reason() -> None:
 
 def test_json_report() -> None:
     data = json.loads(json.dumps(_report().to_json()))
-    assert data["summary"] == {"total": 3, "pass": 1, "fail": 1, "skip": 1, "ok": False}
+    assert data["summary"] == {"total": 3, "pass": 1, "fail": 1, "skip": 1, "ok": False, "engine_lost": None}
     assert data["options"]["engine"] == "127.0.0.1:1"
     check = data["checks"][1]
     assert check["id"] == "generate.usage-final" and check["status"] == "fail" and len(check["details"]) == 9
