@@ -29,10 +29,8 @@ import trio
 import trio_asyncio
 
 from sidecar import sdnotify
-from sidecar.cli_options import option, parsed, read_token_file
-from sidecar.core.handoff_profiles import parse_profile
+from sidecar.cli_options import option, read_token_file, schema_options
 from sidecar.core.lifecycle import LifecycleConfig
-from sidecar.core.negotiation import parse_release
 from sidecar.core.sidecar import OUTCOME_SHUTDOWN, Sidecar, SidecarConfig, StartupError
 from sidecar.dynamo.config import DynamoConfig, DynamoConfigError
 from sidecar.dynamo.options import dynamo_config, dynamo_options
@@ -203,24 +201,7 @@ async def _drain_on_signal(sidecar: Sidecar, signals: Any) -> None:
 )
 @option("--model", default=None, help="Serve only this model (served name or alias).")
 @option("--expected-engine", default=None, help="Refuse to start unless the engine reports this name.")
-@option(
-    "--expected-schema-release",
-    default=None,
-    callback=parsed(parse_release),
-    help="Refuse to start unless the engine reports this release (source commit, BSR commit or tag).",
-)
-@option(
-    "--require-known-release",
-    is_flag=True,
-    default=False,
-    help="Refuse an engine whose schema release this build was not tested with (see --version).",
-)
-@option(
-    "--handoff-profile",
-    default=None,
-    callback=parsed(parse_profile),
-    help="Handoff profile of a prefill/decode engine that advertises none (docs/COMPATIBILITY.md).",
-)
+@schema_options
 @option(
     "--startup-deadline", type=float, default=300.0, show_default=True, help="Seconds to wait for the engine."
 )

@@ -16,12 +16,10 @@ import msgspec
 import trio
 import trio_asyncio
 
-from sidecar.cli_options import option, parsed
+from sidecar.cli_options import option, schema_options
 from sidecar.core.card import EndpointCard, LogprobCard, ModelCard, WorkerCard, card_to_json
 from sidecar.core.discovery import discover
 from sidecar.core.errors import DiscoveryError, NegotiationError
-from sidecar.core.handoff_profiles import parse_profile
-from sidecar.core.negotiation import parse_release
 from sidecar.openengine.client import open_engine_client
 from sidecar.openengine.errors import EngineClientError, EngineConfigError, EngineUnavailable
 
@@ -237,24 +235,7 @@ def format_card(card: WorkerCard) -> str:
 )
 @option("--timeout", type=float, default=30.0, show_default=True, help="Seconds for the whole discovery.")
 @option("--expected-engine", default=None, help="Fail unless the engine reports this name.")
-@option(
-    "--expected-schema-release",
-    default=None,
-    callback=parsed(parse_release),
-    help="Fail unless the engine reports this schema release (source commit, BSR commit or tag).",
-)
-@option(
-    "--require-known-release",
-    is_flag=True,
-    default=False,
-    help="Fail when the engine's schema release is not one this build was tested with.",
-)
-@option(
-    "--handoff-profile",
-    default=None,
-    callback=parsed(parse_profile),
-    help="Handoff profile of a prefill/decode engine that advertises none (as run does).",
-)
+@schema_options
 def describe(
     engine: str,
     as_json: bool,

@@ -281,6 +281,14 @@ async def _hand_off(stream: _Stream) -> None:
         forced=plan.forced,
     ).next_step()
     req.phase = "handoff"
+
+    def hold(sid: str) -> xfer.KvSessionPayload:  # context-first: held until decode pulls it
+        payload = xfer.KvSessionPayload.from_allocation(sid, alloc)
+        server.hold(payload, release=lambda: cache.release(alloc))
+        req.extra["blocks_handed_off"] = True
+        req.session_id = sid
+        return payload
+
     if req.room is not None:
         session = plan.kv_session
         assert session is not None and session.bootstrap is not None
@@ -300,20 +308,13 @@ async def _hand_off(stream: _Stream) -> None:
             transfer_backend=spec.transfer_backend,
         )
     elif spec.handoff_profile == xfer.SGLANG_PROFILE:  # a schema without client bootstrap
-        sid = f"{req.id}@{engine.instance_id}"
-        payload = xfer.KvSessionPayload.from_allocation(sid, alloc)
-        server.hold(payload, release=lambda: cache.release(alloc))
-        req.extra["blocks_handed_off"] = True
-        req.session_id = sid
+        sid = hold(f"{req.id}@{engine.instance_id}").session_id
         ref = xfer.sglang_context_session_ref(
             session_id=sid, endpoint=server.endpoint, dp_rank=req.rank, transfer_backend=spec.transfer_backend
         )
     elif spec.handoff_profile == xfer.TRTLLM_PROFILE:
         ctx_id = xfer.new_ctx_request_id()
-        payload = xfer.KvSessionPayload.from_allocation(str(ctx_id), alloc)
-        server.hold(payload, release=lambda: cache.release(alloc))
-        req.extra["blocks_handed_off"] = True
-        req.session_id = payload.session_id
+        payload = hold(str(ctx_id))
         ref = xfer.trtllm_session_ref(
             ctx_request_id=ctx_id,
             endpoint=server.endpoint,
@@ -324,10 +325,7 @@ async def _hand_off(stream: _Stream) -> None:
         )
     else:
         sid = f"{req.id}@{engine.instance_id}"
-        payload = xfer.KvSessionPayload.from_allocation(sid, alloc)
-        server.hold(payload, release=lambda: cache.release(alloc))
-        req.extra["blocks_handed_off"] = True
-        req.session_id = sid
+        payload = hold(sid)
         ref = xfer.vllm_session_ref(
             session_id=sid,
             engine_id=engine.instance_id,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +75,32 @@ async def sidecar(engine_address: str, *args: str) -> AsyncIterator[Sidecar]:
         yield Sidecar(proc, m.group(1), m.group(2))
 
 
+@asynccontextmanager
+async def open_together(*managers: AbstractAsyncContextManager[Any]) -> AsyncIterator[list[Any]]:
+    """Enter ``managers`` concurrently (each in its own task: starting processes in parallel)
+    and yield what each gave, in order; on leaving, all are exited concurrently. If one fails
+    to start, the others are exited and its error propagates."""
+    values: list[Any] = [None] * len(managers)
+    started = [trio.Event() for _ in managers]
+    leave = trio.Event()
+
+    async def hold(i: int, manager: AbstractAsyncContextManager[Any]) -> None:
+        async with manager as value:
+            values[i] = value
+            started[i].set()
+            await leave.wait()
+
+    async with trio.open_nursery() as nursery:
+        for i, manager in enumerate(managers):
+            nursery.start_soon(hold, i, manager)
+        for event in started:
+            await event.wait()
+        try:
+            yield values
+        finally:
+            leave.set()
+
+
 async def engine_counters(address: str) -> dict[str, Any]:
     """The simulated engine's ground-truth counters (``GetLoad.attributes``). Needs ``aio_loop``."""
     async with open_engine_client(address) as client:
@@ -119,6 +145,7 @@ __all__ = [
     "engine_counters",
     "generate_request",
     "mock_engine",
+    "open_together",
     "pb",
     "sidecar",
     "spawn",
