@@ -11,9 +11,6 @@ from typing import Any
 
 import click
 
-from sidecar.core.handoff_profiles import parse_profile
-from sidecar.core.negotiation import parse_release
-
 ENV_PREFIX = "OPENENGINE_SIDECAR_"
 
 
@@ -52,33 +49,3 @@ def parsed(parse: Callable[[str], str]) -> Callable[[click.Context, click.Parame
             raise click.BadParameter(str(err)) from None
 
     return callback
-
-
-def schema_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """``--expected-schema-release``, ``--require-known-release`` and ``--handoff-profile``
-    (``run`` and ``describe``; docs/COMPATIBILITY.md), validated when parsed."""
-    for decorator in reversed(
-        [
-            option(
-                "--expected-schema-release",
-                default=None,
-                callback=parsed(parse_release),
-                help="Refuse an engine that does not report this schema release (source commit, BSR "
-                "commit or tag).",
-            ),
-            option(
-                "--require-known-release",
-                is_flag=True,
-                default=False,
-                help="Refuse an engine whose schema release this build was not tested with (see --version).",
-            ),
-            option(
-                "--handoff-profile",
-                default=None,
-                callback=parsed(parse_profile),
-                help="Handoff profile of a prefill/decode engine that advertises none (docs/COMPATIBILITY.md).",
-            ),
-        ]
-    ):
-        command = decorator(command)
-    return command

@@ -29,8 +29,9 @@ import trio
 import trio_asyncio
 
 from sidecar import sdnotify
-from sidecar.cli_options import option, read_token_file, schema_options
+from sidecar.cli_options import option, read_token_file
 from sidecar.core.lifecycle import LifecycleConfig
+from sidecar.core.schema_options import schema_options
 from sidecar.core.sidecar import OUTCOME_SHUTDOWN, Sidecar, SidecarConfig, StartupError
 from sidecar.dynamo.config import DynamoConfig, DynamoConfigError
 from sidecar.dynamo.options import dynamo_config, dynamo_options

@@ -16,10 +16,11 @@ import msgspec
 import trio
 import trio_asyncio
 
-from sidecar.cli_options import option, schema_options
+from sidecar.cli_options import option
 from sidecar.core.card import EndpointCard, LogprobCard, ModelCard, WorkerCard, card_to_json
 from sidecar.core.discovery import discover
 from sidecar.core.errors import DiscoveryError, NegotiationError
+from sidecar.core.schema_options import schema_options
 from sidecar.openengine.client import open_engine_client
 from sidecar.openengine.errors import EngineClientError, EngineConfigError, EngineUnavailable
 
