@@ -12,13 +12,13 @@ import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
-import msgspec
 import pytest
 import trio
 
 from sidecar.core.card import WorkerCard
 from sidecar.core.errors import Rejection
 from sidecar.core.handoff import check_decode_session
+from sidecar.core.int64 import json_decode
 from sidecar.core.sidecar import Sidecar, SidecarConfig, StartupError
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
@@ -76,7 +76,7 @@ async def describe(*args: str) -> tuple[int, WorkerCard | None, str]:
             check=False,
             env=env,
         )
-    card = msgspec.json.decode(done.stdout, type=WorkerCard) if done.stdout else None
+    card = json_decode(done.stdout, WorkerCard) if done.stdout else None
     return done.returncode, card, done.stderr.decode()
 
 
