@@ -273,10 +273,10 @@ async def open_monitor(ctx: Context) -> AsyncIterator[None]:
             entered = True
             ctx.cache["kv_monitor"] = watcher
             yield
-    except (Skip, Fail) as err:
+    except (Skip, Fail, EngineClientError) as err:
         if entered:
             raise
-        ctx.cache["kv_monitor"] = err
+        ctx.cache["kv_monitor"] = err if not isinstance(err, EngineClientError) else Fail(f"KV events: {err}")
     if not entered:
         yield
 
