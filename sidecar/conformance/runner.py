@@ -37,6 +37,7 @@ from sidecar.conformance.model import CHECKS, Check, Fail, Result, Skip, Status,
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
 from sidecar.openengine.errors import EngineClientError, EngineConfigError, EngineUnavailable
+from sidecar.openengine.releases import find_known, parse_release
 from sidecar.openengine.revision import CLIENT_REVISION, SCHEMA_RELEASE
 
 __all__ = ["GROUP_ORDER", "Progress", "Report", "SuiteError", "all_checks", "run_check", "run_suite"]
@@ -119,6 +120,8 @@ class Report:
 
 
 def _engine_json(address: str, info: pb.ServerInfo) -> dict[str, Any]:
+    release = parse_release(info.schema_release)
+    known = find_known(release) if release is not None else None
     return {
         "address": address,
         "engine_name": info.engine_name,
@@ -128,6 +131,7 @@ def _engine_json(address: str, info: pb.ServerInfo) -> dict[str, Any]:
         "schema_revision": info.schema_revision,
         "minimum_client_revision": info.minimum_client_revision,
         "schema_release": info.schema_release,
+        "known_release": known.name if known is not None else None,
         "supported_models": list(info.supported_models),
     }
 
