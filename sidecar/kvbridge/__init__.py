@@ -8,12 +8,14 @@ Public API (see docs/KVBRIDGE.md)::
 """
 
 from sidecar.kvbridge.errors import KvBridgeError, KvConfigError, KvDecodeError, KvSourceError
+from sidecar.kvbridge.ingest_limits import IngestLimits
 from sidecar.kvbridge.replay_server import ReplayLimits
 from sidecar.kvbridge.service import KvBridgeConfig, KvBridgeInfo, KvRankInfo, discover_sources, run_kv_bridge
 from sidecar.kvbridge.sources import GrpcSource, KvSource, ZmqSource, plan_sources
 
 __all__ = [
     "GrpcSource",
+    "IngestLimits",
     "KvBridgeConfig",
     "KvBridgeError",
     "KvBridgeInfo",

@@ -13,6 +13,10 @@ Accepted shapes (docs/design/engine-facts.md "KV events over ZMQ"):
 - SGLang's ``{cache_salt, session_id}`` metadata map in the ``lora_name`` slot (or under a
   ``metadata`` key), kept as :attr:`BlockStored.metadata`.
 
+Any payload that does not decode — malformed, wrong types, nesting too deep for msgspec
+(``RecursionError``) or deeper than :data:`MAX_NESTING` in the free-form fields — is a
+:class:`KvDecodeError`, never another exception.
+
 Fast path: typed msgspec decoding straight into the output model (vLLM map form with
 unsigned hashes: no per-event Python work), then maps needing normalization, then tagged
 arrays; the decoder remembers which one the source uses. Anything else (mixed batches, a
@@ -193,6 +197,18 @@ class MsgpackBatchDecoder:
         self._last = 0
 
     def decode(self, payload: bytes) -> EventBatch:
+        """Raises :class:`KvDecodeError` for anything that is not a usable batch — whatever
+        the decoding raised (too deep a nesting raises ``RecursionError`` in msgspec)."""
+        try:
+            batch = self._decode(payload)
+        except KvDecodeError:
+            raise
+        except Exception as err:  # RecursionError, or anything msgspec / the conversion raise
+            raise KvDecodeError(f"payload does not decode ({type(err).__name__}: {str(err)[:200]})") from err
+        check_nesting(batch)
+        return batch
+
+    def _decode(self, payload: bytes) -> EventBatch:
         try:
             return self._paths[self._last](payload)  # type: ignore[no-any-return]
         except msgspec.DecodeError:
@@ -207,6 +223,33 @@ class MsgpackBatchDecoder:
             self._last = i
             return batch
         return _decode_generic(payload)
+
+
+MAX_NESTING = 16
+"""Deepest nesting of lists / maps allowed inside an event's ``extra_keys`` or ``metadata``
+(engines send 1-3 levels); deeper batches are decode errors, so re-encoding one can never
+reach the interpreter's recursion limit."""
+
+
+def _nesting(value: Any, depth: int = 0) -> int:
+    if depth > MAX_NESTING:
+        return depth
+    if type(value) is list:
+        return max((_nesting(v, depth + 1) for v in value), default=depth + 1)
+    if type(value) is dict:
+        return max((_nesting(v, depth + 1) for v in value.values()), default=depth + 1)
+    return depth
+
+
+def check_nesting(batch: EventBatch) -> None:
+    """Raise :class:`KvDecodeError` when an event carries free-form data nested past :data:`MAX_NESTING`."""
+    for e in batch.events:
+        if type(e) is BlockStored:
+            extra, metadata = e.extra_keys, e.metadata
+            if (type(extra) is list and _nesting(extra) > MAX_NESTING) or (
+                type(metadata) is dict and _nesting(metadata) > MAX_NESTING
+            ):
+                raise KvDecodeError(f"event data nested deeper than {MAX_NESTING} levels")
 
 
 def _decode_generic(payload: bytes) -> EventBatch:

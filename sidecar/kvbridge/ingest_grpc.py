@@ -8,6 +8,10 @@ with ``include_snapshot`` and publish ``AllBlocksCleared`` before the snapshot â
 :class:`~sidecar.kvbridge.sequencer.GrpcSequencer`. An engine that also refuses snapshots
 is then followed live after the ``AllBlocksCleared``.
 
+A batch larger than ``IngestLimits.max_batch_bytes`` is refused before it is read (the
+engine's length prefix): counted as a decode error, ``AllBlocksCleared`` published, and the
+subscription resumed after it (a too-large snapshot: followed live instead).
+
 Cancellation: cancel the surrounding scope; leaving the ``subscribe_kv_events`` block
 resets the HTTP/2 stream.
 """
@@ -23,11 +27,17 @@ import trio
 from sidecar.kvbridge.decode_proto import batch_from_proto
 from sidecar.kvbridge.errors import KvDecodeError
 from sidecar.kvbridge.events import EventBatch, cleared_batch
+from sidecar.kvbridge.ingest_limits import IngestLimits
 from sidecar.kvbridge.metrics import RankMetrics
 from sidecar.kvbridge.sequencer import Clear, Duplicate, Emit, GrpcAction, GrpcSequencer, Reason, Resubscribe
 from sidecar.kvbridge.sources import GrpcSource
 from sidecar.openengine import pb
-from sidecar.openengine.errors import EngineClientError, EngineStatusError, EngineTerminalError
+from sidecar.openengine.errors import (
+    EngineClientError,
+    EngineMessageTooLarge,
+    EngineStatusError,
+    EngineTerminalError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +45,9 @@ log = logging.getLogger(__name__)
 class KvEventClient(Protocol):
     """The part of ``EngineClient`` the gRPC ingest uses."""
 
-    def subscribe_kv_events(self, request: pb.SubscribeKvEventsRequest) -> Any: ...
+    def subscribe_kv_events(
+        self, request: pb.SubscribeKvEventsRequest, *, max_message_bytes: int | None = None
+    ) -> Any: ...
 
 
 class GrpcIngest:
@@ -49,9 +61,11 @@ class GrpcIngest:
         *,
         backoff_initial: float = 0.05,
         backoff_max: float = 5.0,
+        limits: IngestLimits | None = None,
         cleared: bool = False,
     ) -> None:
         self.client = client
+        self.limits = limits or IngestLimits()
         self.source = source
         self.out = out
         self.backoff_initial = backoff_initial
@@ -80,7 +94,9 @@ class GrpcIngest:
             outcome: Resubscribe | None = None
             first = True
             try:
-                async with self.client.subscribe_kv_events(req) as stream:
+                async with self.client.subscribe_kv_events(
+                    req, max_message_bytes=self.limits.max_batch_bytes
+                ) as stream:
                     async for resp in stream:
                         batch = resp.batch
                         if batch is None:
@@ -100,6 +116,14 @@ class GrpcIngest:
                             break
                         delay = self.backoff_initial
                 log.info("KV rank %d: KV event stream ended", rank)
+            except EngineMessageTooLarge as err:  # that batch is lost: resync, resume after it
+                m.decode_errors.inc()
+                log.warning("KV rank %d: %s; resyncing", rank, err)
+                if snapshot:  # a snapshot too large to take: follow the engine live instead
+                    self._snapshot_refused = True
+                    await self._apply(seqr.clear(Reason.DECODE_ERROR))
+                else:
+                    await self._apply(seqr.skip())
             except (EngineTerminalError, EngineStatusError) as err:
                 cannot_resume = not err.retryable and (resuming or snapshot)
                 if resuming and first:

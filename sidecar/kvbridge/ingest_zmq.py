@@ -1,7 +1,9 @@
 """Ingest of one engine ZMQ publisher (one DP rank): SUB for live batches, DEALER for replay.
 
-Resources: the task owns its SUB socket and, once a replay is needed, its DEALER; both are
-closed with ``linger=0`` in ``finally``. The DEALER is replaced after a failed replay so a
+Resources: the task owns its SUB socket (with a monitor socket and a child task watching it
+for a dropped connection, then replaced) and, once a replay is needed, its DEALER; all are
+closed with ``linger=0`` in ``finally``. Both data sockets refuse messages over
+``IngestLimits.max_batch_bytes`` (libzmq drops that connection for good: hence the watch). The DEALER is replaced after a failed replay so a
 late answer can never be mistaken for the next one. The task never waits on two sockets
 at once: during a replay the SUB keeps queueing in libzmq (up to its HWM; anything dropped
 there shows up as a gap afterwards and is replayed in turn).
@@ -23,6 +25,7 @@ import zmq
 from sidecar.kvbridge.decode_msgpack import MsgpackBatchDecoder
 from sidecar.kvbridge.errors import KvDecodeError
 from sidecar.kvbridge.events import EventBatch, cleared_batch
+from sidecar.kvbridge.ingest_limits import IngestLimits
 from sidecar.kvbridge.metrics import RankMetrics
 from sidecar.kvbridge.replay import parse_upstream_reply, seq_bytes
 from sidecar.kvbridge.sequencer import Action, Clear, Duplicate, Emit, Reason, Replay, ZmqSequencer
@@ -43,6 +46,7 @@ class ZmqIngest:
         *,
         hwm: int = 100_000,
         replay_timeout: float = 5.0,
+        limits: IngestLimits | None = None,
         drain_limit: int = 64,
         cleared: bool = False,
     ) -> None:
@@ -51,6 +55,7 @@ class ZmqIngest:
         self.out = out
         self.hwm = source.hwm or hwm
         self.replay_timeout = replay_timeout
+        self.limits = limits or IngestLimits()
         self.drain_limit = drain_limit
         self.metrics = RankMetrics(source.rank)
         self.sequencer: ZmqSequencer[bytes] = ZmqSequencer(
@@ -59,44 +64,77 @@ class ZmqIngest:
         self.decoder = MsgpackBatchDecoder()
         self._dealer: zmq.Socket | None = None
         self._rank_warned = False
+        self.over_limit = False  # the last replay was abandoned at a limit
+        self._dropped = False  # the current SUB connection was dropped
+        self._waiting: trio.CancelScope | None = None  # the receive loop's wait, while it waits
         self._in_events = 0  # decoded since the last flush (metrics are updated per group)
         self._in_batches = 0
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Connect, then forward every batch to ``out`` until cancelled (or ``out`` is closed)."""
+        """Connect, then forward every batch to ``out`` until cancelled (or ``out`` is closed).
+
+        A connection libzmq gives up on (it does after a message over ``MAXMSGSIZE``) is
+        replaced by a new SUB socket; what was missed meanwhile shows up as a gap.
+        """
         src = self.source
-        sub = self.ctx.socket(zmq.SUB)
+        log.info(
+            "KV rank %d: subscribing to %s (replay %s)", src.rank, src.endpoint, src.replay_endpoint or "none"
+        )
+        started = False
         try:
-            sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt(zmq.RCVHWM, self.hwm)
-            sub.setsockopt(zmq.SUBSCRIBE, src.topic.encode())
-            sub.connect(src.endpoint)
-            log.info(
-                "KV rank %d: subscribed to %s (replay %s)",
-                src.rank,
-                src.endpoint,
-                src.replay_endpoint or "none",
-            )
-            task_status.started()
-            m = self.metrics
-            seqr = self.sequencer
             while True:
-                out: list[EventBatch] = []
-                for frames in await recv_some(sub, self.drain_limit):
-                    if len(frames) != 3 or len(frames[1]) != 8:
-                        m.decode_errors.inc()
-                        log.warning(
-                            "KV rank %d: malformed message with %d frames ignored", src.rank, len(frames)
-                        )
-                        continue
-                    out = await self._apply(seqr.on_live(int.from_bytes(frames[1], "big"), frames[2]), out)
-                if out:
-                    await self._flush(out)
-                else:  # nothing to hand on (duplicates, malformed): still let others run
-                    await trio.lowlevel.checkpoint()
+                sub = self.ctx.socket(zmq.SUB)
+                monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                try:
+                    sub.setsockopt(zmq.LINGER, 0)
+                    sub.setsockopt(zmq.RCVHWM, self.hwm)
+                    sub.setsockopt(zmq.MAXMSGSIZE, self.limits.max_batch_bytes)
+                    sub.setsockopt(zmq.SUBSCRIBE, src.topic.encode())
+                    sub.connect(src.endpoint)
+                    if not started:
+                        task_status.started()
+                        started = True
+                    async with trio.open_nursery() as nursery:
+                        self._dropped = False
+                        nursery.start_soon(self._watch_disconnect, monitor)
+                        await self._receive(sub)
+                        nursery.cancel_scope.cancel()
+                finally:
+                    sub.disable_monitor()
+                    monitor.close(linger=0)
+                    sub.close(linger=0)
+                log.warning("KV rank %d: connection to %s dropped; reconnecting", src.rank, src.endpoint)
         finally:
-            sub.close(linger=0)
             self._close_dealer()
+
+    async def _watch_disconnect(self, monitor: zmq.Socket) -> None:
+        """Mark the SUB's connection dropped (and end the receive loop's wait, a safe point)."""
+        await recv_multipart(monitor)
+        self._dropped = True
+        if self._waiting is not None:
+            self._waiting.cancel()
+
+    async def _receive(self, sub: zmq.Socket) -> None:
+        """Forward live batches from ``sub`` until its connection drops."""
+        src = self.source
+        m = self.metrics
+        seqr = self.sequencer
+        while not self._dropped:
+            out: list[EventBatch] = []
+            received: list[list[bytes]] = []  # stays empty when the wait ends by a drop
+            with trio.CancelScope() as self._waiting:
+                received = await recv_some(sub, self.drain_limit)
+            self._waiting = None
+            for frames in received:
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    m.decode_errors.inc()
+                    log.warning("KV rank %d: malformed message with %d frames ignored", src.rank, len(frames))
+                    continue
+                out = await self._apply(seqr.on_live(int.from_bytes(frames[1], "big"), frames[2]), out)
+            if out:
+                await self._flush(out)
+            else:  # nothing to hand on (duplicates, malformed): still let others run
+                await trio.lowlevel.checkpoint()
 
     async def _flush(self, out: list[EventBatch]) -> None:
         if self._in_batches:
@@ -145,29 +183,46 @@ class ZmqIngest:
                 if a.missing:
                     m.gaps.inc()
                     log.info("KV rank %d: gap of %d batches, replaying from %d", rank, a.missing, a.start)
+                self.over_limit = False
                 items = await self._replay(a.start)
-                m.replay("ok" if items is not None else "failed")
-                out = await self._apply(self.sequencer.on_replay(items), out)
+                if items is not None:
+                    m.replay("ok")
+                    actions = self.sequencer.on_replay(items)
+                elif self.over_limit:  # the engine's history is more than we take: lost
+                    m.replay("over_limit")
+                    actions = self.sequencer.on_replay(None, failure=Reason.HISTORY_LOST)
+                else:
+                    m.replay("failed")
+                    actions = self.sequencer.on_replay(None)
+                out = await self._apply(actions, out)
         return out
 
     async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
         """Every batch the engine still holds from ``start`` on, or ``None`` on failure.
 
-        ``replay_timeout`` bounds the wait for each reply message (not the whole replay).
+        ``replay_timeout`` bounds the wait for each reply message; :class:`IngestLimits` the
+        whole replay (batches, payload bytes, seconds): past one of them it is abandoned and
+        counted ``over_limit``, and the caller treats the history as lost.
         """
         src = self.source
         assert src.replay_endpoint is not None
+        limits = self.limits
         if self._dealer is None:
             dealer = self.ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.RCVHWM, 0)  # take the whole answer: the engine's ROUTER drops at HWM
+            dealer.setsockopt(zmq.MAXMSGSIZE, limits.max_batch_bytes)
             dealer.connect(src.replay_endpoint)
             self._dealer = dealer
         dealer = self._dealer
         items: list[tuple[int, bytes]] = []
+        size = 0
         try:
             dealer.send_multipart([b"", seq_bytes(start)], zmq.NOBLOCK)
-            with trio.move_on_after(self.replay_timeout) as scope:
+            with (
+                trio.move_on_after(limits.replay_deadline) as whole,
+                trio.move_on_after(self.replay_timeout) as scope,
+            ):
                 while True:
                     frames = await recv_multipart(dealer)
                     scope.deadline = trio.current_time() + self.replay_timeout
@@ -175,7 +230,25 @@ class ZmqIngest:
                     if reply is None:
                         return items
                     items.append(reply)
-            log.warning("KV rank %d: replay from %s timed out", src.rank, src.replay_endpoint)
+                    size += len(reply[1])
+                    if len(items) > limits.replay_max_batches or size > limits.replay_max_bytes:
+                        break
+            if scope.cancelled_caught:
+                log.warning("KV rank %d: replay from %s timed out", src.rank, src.replay_endpoint)
+            else:
+                self.over_limit = True
+                log.warning(
+                    "KV rank %d: replay from %s abandoned after %d batches, %d bytes, %s "
+                    "(limits: %d batches, %d bytes, %.0f s)",
+                    src.rank,
+                    src.replay_endpoint,
+                    len(items),
+                    size,
+                    "its deadline" if whole.cancelled_caught else "no end marker yet",
+                    limits.replay_max_batches,
+                    limits.replay_max_bytes,
+                    limits.replay_deadline,
+                )
         except (zmq.ZMQError, KvDecodeError) as err:
             log.warning("KV rank %d: replay from %s failed: %s", src.rank, src.replay_endpoint, err)
         self._close_dealer()

@@ -24,7 +24,7 @@ BATCHES_OUT = Counter(_P + "batches_out", "KV event batches published.", ["rank"
 GAPS = Counter(_P + "gaps", "Upstream sequence gaps detected.", ["rank"], registry=REGISTRY)
 REPLAYS = Counter(
     _P + "replays",
-    "Upstream replays / resumed subscriptions, by outcome (ok, failed).",
+    "Upstream replays / resumed subscriptions, by outcome (ok, failed, over_limit: abandoned at a limit).",
     ["rank", "outcome"],
     registry=REGISTRY,
 )

@@ -17,6 +17,7 @@ import click
 
 from sidecar.cli_options import option
 from sidecar.kvbridge.errors import KvConfigError
+from sidecar.kvbridge.ingest_limits import IngestLimits
 from sidecar.kvbridge.replay_server import ReplayLimits
 from sidecar.kvbridge.service import KvBridgeConfig
 
@@ -94,6 +95,34 @@ _OPTIONS = [
         "while the engine is idle (0: never).",
     ),
     option(
+        "--kv-max-batch-bytes",
+        type=click.IntRange(min=1024),
+        default=IngestLimits.max_batch_bytes,
+        show_default=True,
+        help="Largest KV event batch taken from the engine (bytes); a larger one is dropped and resynced.",
+    ),
+    option(
+        "--kv-engine-replay-max-batches",
+        type=click.IntRange(min=1),
+        default=IngestLimits.replay_max_batches,
+        show_default=True,
+        help="Batches one replay from the engine may bring; past it, the history counts as lost.",
+    ),
+    option(
+        "--kv-engine-replay-max-bytes",
+        type=click.IntRange(min=1024),
+        default=IngestLimits.replay_max_bytes,
+        show_default=True,
+        help="Bytes one replay from the engine may bring; past it, the history counts as lost.",
+    ),
+    option(
+        "--kv-engine-replay-deadline",
+        type=click.FloatRange(min=0, min_open=True),
+        default=IngestLimits.replay_deadline,
+        show_default=True,
+        help="Seconds one replay from the engine may take; past it, the history counts as lost.",
+    ),
+    option(
         "--kv-advertise-host",
         default=None,
         help="Host to report in the worker card for the KV endpoints (when binding a wildcard).",
@@ -132,6 +161,12 @@ def kv_bridge_config(values: Mapping[str, Any], **overrides: Any) -> KvBridgeCon
             socket_buffer=values.get("kv_replay_socket_buffer", ReplayLimits.socket_buffer),
             max_active=values.get("kv_replay_max_active", ReplayLimits.max_active),
             stall_timeout=values.get("kv_replay_stall_timeout", ReplayLimits.stall_timeout),
+        ),
+        ingest_limits=IngestLimits(
+            max_batch_bytes=values.get("kv_max_batch_bytes", IngestLimits.max_batch_bytes),
+            replay_max_batches=values.get("kv_engine_replay_max_batches", IngestLimits.replay_max_batches),
+            replay_max_bytes=values.get("kv_engine_replay_max_bytes", IngestLimits.replay_max_bytes),
+            replay_deadline=values.get("kv_engine_replay_deadline", IngestLimits.replay_deadline),
         ),
         **overrides,
     )

@@ -13,13 +13,14 @@ seconds even on an idle engine, instead of at the engine's next cache change.
 
 Tasks and resources: :func:`run_rank_publisher` owns the PUB socket and runs, in its own
 nursery, :func:`serve_replay`, which owns the ROUTER. Both share the in-memory
-:class:`ReplayBuffer` (same thread; a replay answer works on a snapshot of it). Both close
+:class:`ReplayBuffer` (same thread; a replay reads it as it goes out). Both close
 their socket with ``linger=0`` on the way out, whatever the reason (end of input,
 cancellation, error).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -28,11 +29,13 @@ from functools import partial
 import trio
 import zmq
 
-from sidecar.kvbridge.events import EventBatch, encode_batch
+from sidecar.kvbridge.events import EventBatch, cleared_batch, encode_batch
 from sidecar.kvbridge.metrics import RankMetrics
 from sidecar.kvbridge.replay import ReplayBuffer
 from sidecar.kvbridge.replay_server import ReplayLimits, serve_replay
 from sidecar.kvbridge.zmqio import advertised, bind
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +117,15 @@ async def run_rank_publisher(
                 events = 0
                 for batch in group:
                     batch.data_parallel_rank = rank
-                    payload = encode_batch(batch)
+                    try:
+                        payload = encode_batch(batch)
+                    except Exception as err:  # cannot happen for a decoded batch; never fatal
+                        log.warning(
+                            "KV rank %d: batch does not encode (%s); resyncing", rank, type(err).__name__
+                        )
+                        metrics.decode_errors.inc()
+                        batch = cleared_batch(batch.ts, rank)
+                        payload = encode_batch(batch)
                     # PUB never blocks: a subscriber past its HWM loses messages and replays.
                     send([topic_b, seq.to_bytes(8, "big"), payload], zmq.NOBLOCK)
                     append(seq, payload)

@@ -249,6 +249,14 @@ class GrpcSequencer(Generic[P]):
         self._gate.clear(out, reason)
         return out
 
+    def skip(self) -> list[GrpcAction[P]]:
+        """The next batch could not be taken (too large to read): publish :class:`Clear`
+        ``decode_error`` and resume after it (resubscribe from :meth:`request`)."""
+        out: list[GrpcAction[P]] = []
+        self._gate.clear(out, Reason.DECODE_ERROR)
+        self.next_seq = (self.next_seq or 0) + 1
+        return out
+
     def on_failure(self, *, cannot_resume: bool) -> None:
         """The subscription ended in error; ``cannot_resume``: the engine refused the start."""
         if cannot_resume and self._snapshot is None:

@@ -31,6 +31,7 @@ import zmq
 from sidecar.kvbridge.errors import KvConfigError, KvSourceError
 from sidecar.kvbridge.events import EventBatch, cleared_batch
 from sidecar.kvbridge.ingest_grpc import GrpcIngest
+from sidecar.kvbridge.ingest_limits import IngestLimits
 from sidecar.kvbridge.ingest_zmq import ZmqIngest
 from sidecar.kvbridge.metrics import RankMetrics
 from sidecar.kvbridge.publisher import RankEndpoints, run_rank_publisher
@@ -53,7 +54,8 @@ class KvBridgeConfig:
     ranks to bridge (``None``: every rank the engine advertises). ``advertise_host`` replaces
     the host of the reported endpoints (set it when binding a wildcard). ``replay_limits``
     bound our replay ROUTER (``--kv-replay-hwm``, ``--kv-replay-socket-buffer``, ``--kv-replay-max-active``,
-    ``--kv-replay-stall-timeout``).
+    ``--kv-replay-stall-timeout``); ``ingest_limits`` what we take from the engine
+    (``--kv-max-batch-bytes``, ``--kv-engine-replay-*``).
     """
 
     publish_endpoint: str = "tcp://127.0.0.1:5600"
@@ -64,6 +66,7 @@ class KvBridgeConfig:
     dp_ranks: tuple[int, ...] | None = None
     advertise_host: str | None = None
     replay_limits: ReplayLimits = field(default_factory=ReplayLimits)
+    ingest_limits: IngestLimits = field(default_factory=IngestLimits)
     replay_timeout: float = 5.0
     queue_size: int = 256
     backoff_initial: float = 0.05
@@ -83,6 +86,8 @@ class KvBridgeConfig:
             raise KvConfigError("--kv-heartbeat must be >= 0")
         if self.queue_size < 1:
             raise KvConfigError("queue_size must be at least 1")
+        if problems := self.ingest_limits.problems():
+            raise KvConfigError("; ".join(problems))
         rl = self.replay_limits
         if (
             rl.hwm < 1
@@ -260,7 +265,13 @@ async def run_kv_bridge(
                 make: Any
                 if isinstance(src, ZmqSource):
                     make = partial(
-                        ZmqIngest, ctx, src, send, hwm=config.hwm, replay_timeout=config.replay_timeout
+                        ZmqIngest,
+                        ctx,
+                        src,
+                        send,
+                        hwm=config.hwm,
+                        replay_timeout=config.replay_timeout,
+                        limits=config.ingest_limits,
                     )
                     source_ep: str | None = src.endpoint
                 else:
@@ -271,6 +282,7 @@ async def run_kv_bridge(
                         send,
                         backoff_initial=config.backoff_initial,
                         backoff_max=config.backoff_max,
+                        limits=config.ingest_limits,
                     )
                     source_ep = None
                 nursery.start_soon(_supervise, make, src.rank, send, config.backoff_max)

@@ -40,6 +40,7 @@ from grpclib.encoding.base import CodecBase
 from sidecar.nursery import open_background_nursery
 from sidecar.openengine import pb
 from sidecar.openengine.address import EngineAddress, parse_engine_address
+from sidecar.openengine.bounded_recv import recv_bounded
 from sidecar.openengine.channel_pool import GeneratePool, SettingsAwareChannel
 from sidecar.openengine.errors import (
     STATUS_TO_CODE,
@@ -375,6 +376,7 @@ class EngineClient:
         metadata: MetadataLike | None,
         pick: Callable[[], Picked | Awaitable[Picked]],
         request_id: str = "",
+        max_message_bytes: int | None = None,
     ) -> AsyncIterator[EngineStream[T]]:
         send, receive = trio.open_memory_channel[T](self._stream_buffer)
         stream: EngineStream[T] = EngineStream(receive, rules, request_id)
@@ -393,7 +395,13 @@ class EngineClient:
                     route, Cardinality.UNARY_STREAM, type(request), reply_type, timeout=timeout, metadata=md
                 ) as st:
                     await st.send_message(wire_request, end=True)
-                    async for msg in st:
+                    while (
+                        msg := await (
+                            st.recv_message()
+                            if max_message_bytes is None
+                            else recv_bounded(st, max_message_bytes)
+                        )
+                    ) is not None:
                         try:
                             send.send_nowait(msg)
                         except trio.WouldBlock:
@@ -456,9 +464,17 @@ class EngineClient:
         )
 
     def subscribe_kv_events(
-        self, request: pb.SubscribeKvEventsRequest, *, metadata: MetadataLike | None = None
+        self,
+        request: pb.SubscribeKvEventsRequest,
+        *,
+        metadata: MetadataLike | None = None,
+        max_message_bytes: int | None = None,
     ) -> Any:
-        """Open a KV-event subscription (``pb.SubscribeKvEventsResponse`` items) on its own channel."""
+        """Open a KV-event subscription (``pb.SubscribeKvEventsResponse`` items) on its own channel.
+
+        With ``max_message_bytes``, a larger message fails the stream with
+        :class:`~sidecar.openengine.bounded_recv.EngineMessageTooLarge` before it is read.
+        """
         return self._server_stream(
             _CONTROL + "SubscribeKvEvents",
             request,
@@ -467,6 +483,7 @@ class EngineClient:
             KvEventRules(),
             metadata,
             lambda: (self._kv_channel(), lambda: None),
+            max_message_bytes=max_message_bytes,
         )
 
 

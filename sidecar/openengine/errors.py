@@ -75,6 +75,19 @@ class EngineProtocolError(EngineClientError):
     retryable = True
 
 
+class EngineMessageTooLarge(EngineProtocolError):
+    """The engine announced a message larger than the caller's bound; nothing of it was read.
+
+    The stream is unusable afterwards (the caller leaves it, which resets it). ``size`` is
+    the announced length, ``limit`` the bound.
+    """
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"engine message of {size} bytes exceeds the limit of {limit} bytes")
+        self.size = size
+        self.limit = limit
+
+
 #: gRPC statuses after which the same request may succeed later.
 _RETRYABLE_STATUSES = frozenset({"UNAVAILABLE", "RESOURCE_EXHAUSTED", "ABORTED"})
 

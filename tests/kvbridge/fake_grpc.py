@@ -22,7 +22,12 @@ from typing import Any
 import trio
 
 from sidecar.openengine import pb
-from sidecar.openengine.errors import EngineStatusError, EngineTerminalError, EngineUnavailable
+from sidecar.openengine.errors import (
+    EngineMessageTooLarge,
+    EngineStatusError,
+    EngineTerminalError,
+    EngineUnavailable,
+)
 
 MEDIUM = {m.name: m for m in pb.StorageMedium if m.name != "UNSPECIFIED"}
 
@@ -168,7 +173,7 @@ class FakeGrpcEngine:
 
     @asynccontextmanager
     async def subscribe_kv_events(
-        self, request: pb.SubscribeKvEventsRequest
+        self, request: pb.SubscribeKvEventsRequest, *, max_message_bytes: int | None = None
     ) -> AsyncIterator[AsyncIterator[Any]]:
         self.requests.append(request)
         if self.gate is not None:
@@ -203,6 +208,9 @@ class FakeGrpcEngine:
             async for item in receive:
                 if isinstance(item, Exception):
                     raise item
+                # as the EngineClient: a message over the bound fails the stream unread
+                if max_message_bytes is not None and len(bytes(item)) > max_message_bytes:
+                    raise EngineMessageTooLarge(len(bytes(item)), max_message_bytes)
                 yield item
 
         try:
