@@ -36,22 +36,9 @@ from pathlib import Path
 
 from sidecar.mock import tokenizer as tok
 
-__all__ = ["CHAT_TEMPLATE", "VISION_PREPROCESSOR", "piece", "write_mock_tokenizer_dir"]
+__all__ = ["VISION_PREPROCESSOR", "piece", "write_mock_tokenizer_dir"]
 
 _SPACE = "\u2581"  # ▁, the Metaspace replacement character
-
-#: ``role: content`` lines, then ``assistant:`` when a generation prompt is asked for.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }}: "
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'text' %}{{ part['text'] }}"
-    "{% elif part['type'] in ['image', 'image_url'] %}<image>"
-    "{% elif part['type'] in ['video', 'video_url'] %}<video>"
-    "{% elif part['type'] in ['audio', 'audio_url', 'input_audio'] %}<audio>"
-    "{% endif %}{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
 
 
 def piece(token_id: int) -> str:
@@ -118,7 +105,7 @@ def write_mock_tokenizer_dir(path: str | Path, *, context_length: int = 8192, vi
         "add_eos_token": False,
         "model_max_length": context_length,
         "added_tokens_decoder": specials,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": tok.CHAT_TEMPLATE,
     }
     (root / "tokenizer_config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
     model_config = {

@@ -173,3 +173,19 @@ def output_text(token_id: int) -> str:
     if token_id < BYTE_BASE:
         return ""
     return token_text(token_id)
+
+
+#: The chat template of the project's test tokenizers (the mock's tokenizer directory for Dynamo and
+#: the tiny vLLM model): ``role: content`` lines, one placeholder per media part in prompt order, then
+#: ``assistant:`` when a generation prompt is asked for.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: "
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] in ['image', 'image_url'] %}<image>"
+    "{% elif part['type'] in ['video', 'video_url'] %}<video>"
+    "{% elif part['type'] in ['audio', 'audio_url', 'input_audio'] %}<audio>"
+    "{% endif %}{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)

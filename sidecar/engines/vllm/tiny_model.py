@@ -25,7 +25,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from sidecar.dynamo.tokenizer_dir import CHAT_TEMPLATE
+from sidecar.mock.tokenizer import CHAT_TEMPLATE
 
 __all__ = ["TinyModelSpec", "build_tiny_model"]
 
