@@ -43,6 +43,7 @@ from sidecar.kvbridge.events import (
     norm_hash,
     norm_hashes,
 )
+from sidecar.quoting import clip
 
 # -- wire models ------------------------------------------------------------------------------
 
@@ -204,7 +205,9 @@ class MsgpackBatchDecoder:
         except KvDecodeError:
             raise
         except Exception as err:  # RecursionError, or anything msgspec / the conversion raise
-            raise KvDecodeError(f"payload does not decode ({type(err).__name__}: {str(err)[:200]})") from err
+            raise KvDecodeError(
+                f"payload does not decode ({type(err).__name__}: {clip(str(err), 200)})"
+            ) from err
         check_nesting(batch)
         return batch
 

@@ -38,6 +38,7 @@ from sidecar.openengine.errors import (
     EngineStatusError,
     EngineTerminalError,
 )
+from sidecar.quoting import clip
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +152,12 @@ class GrpcIngest:
                     batch = batch_from_proto(a.payload)
                 except KvDecodeError as err:
                     m.decode_errors.inc()
-                    log.warning("KV rank %d: batch %d does not decode (%s); resyncing", rank, a.seq, err)
+                    log.warning(
+                        "KV rank %d: batch %d does not decode (%s); resyncing",
+                        rank,
+                        a.seq,
+                        clip(str(err), 200),
+                    )
                     await self._apply(self.sequencer.clear(Reason.DECODE_ERROR))
                     continue
                 m.events_in.inc(len(batch.events))

@@ -31,6 +31,7 @@ from sidecar.kvbridge.replay import parse_upstream_reply, seq_bytes
 from sidecar.kvbridge.sequencer import Action, Clear, Duplicate, Emit, Reason, Replay, ZmqSequencer
 from sidecar.kvbridge.sources import ZmqSource
 from sidecar.kvbridge.zmqio import recv_multipart, recv_some
+from sidecar.quoting import clip
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +161,12 @@ class ZmqIngest:
                     batch = self.decoder.decode(a.payload)
                 except KvDecodeError as err:
                     m.decode_errors.inc()
-                    log.warning("KV rank %d: batch %d does not decode (%s); resyncing", rank, a.seq, err)
+                    log.warning(
+                        "KV rank %d: batch %d does not decode (%s); resyncing",
+                        rank,
+                        a.seq,
+                        clip(str(err), 200),
+                    )
                     out = await self._apply(self.sequencer.clear(Reason.DECODE_ERROR), out)
                     continue
                 if batch.data_parallel_rank not in (None, rank) and not self._rank_warned:

@@ -40,6 +40,7 @@ from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 
 from sidecar.core.metrics import HTTP_FAILURES
+from sidecar.quoting import clip
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ def _describe(exc: BaseException) -> str:
     """``Type: message`` of the first leaf of a (possibly nested) exception group."""
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
-    return f"{type(exc).__name__}: {str(exc)[:200]!r}"  # repr: no control characters in the log
+    return f"{type(exc).__name__}: {clip(str(exc), 200)}"
 
 
 def _install() -> None:

@@ -54,3 +54,54 @@ def test_flags_env_and_overrides() -> None:
 def test_bad_endpoint_is_a_config_error() -> None:
     with pytest.raises(KvConfigError):
         parse(["--kv-publish", "udp://x:1"])
+
+
+def test_replay_and_ingest_limits_reach_the_config() -> None:
+    from sidecar.kvbridge import IngestLimits, ReplayLimits
+
+    c = parse([])
+    assert c.replay_limits == ReplayLimits() and c.ingest_limits == IngestLimits()
+    c = parse(
+        [
+            "--kv-replay-hwm=7",
+            "--kv-replay-socket-buffer=8192",
+            "--kv-replay-max-active=3",
+            "--kv-replay-stall-timeout=1.5",
+            "--kv-max-batch-bytes=4096",
+            "--kv-engine-replay-max-batches=9",
+            "--kv-engine-replay-max-bytes=2048",
+        ],
+        env={"OPENENGINE_SIDECAR_KV_ENGINE_REPLAY_DEADLINE": "4"},
+    )
+    assert (c.replay_limits.hwm, c.replay_limits.socket_buffer, c.replay_limits.max_active) == (7, 8192, 3)
+    assert c.replay_limits.stall_timeout == 1.5
+    i = c.ingest_limits
+    assert (i.max_batch_bytes, i.replay_max_batches, i.replay_max_bytes, i.replay_deadline) == (
+        4096,
+        9,
+        2048,
+        4.0,
+    )
+
+
+@pytest.mark.parametrize(
+    "flag",
+    [
+        "--kv-replay-hwm=0",
+        "--kv-replay-socket-buffer=100",
+        "--kv-replay-max-active=0",
+        "--kv-replay-stall-timeout=0",
+        "--kv-max-batch-bytes=10",
+        "--kv-engine-replay-max-batches=0",
+        "--kv-engine-replay-max-bytes=1",
+        "--kv-engine-replay-deadline=0",
+        "--http-idle-timeout=0",
+        "--http-max-header-bytes=10",
+    ],
+)
+def test_bad_limits_are_refused_at_parse_time(flag: str) -> None:
+    from sidecar.run_command import run
+
+    result = CliRunner().invoke(run, ["--engine", "unix:///nowhere", flag])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and flag.split("=")[0] in result.output
