@@ -32,7 +32,7 @@ from sidecar import sdnotify
 from sidecar.cli_options import option, read_token_file
 from sidecar.core.lifecycle import LifecycleConfig
 from sidecar.core.schema_options import schema_options
-from sidecar.core.sidecar import OUTCOME_SHUTDOWN, Sidecar, SidecarConfig, StartupError
+from sidecar.core.sidecar import OUTCOME_SHUTDOWN, Sidecar, SidecarConfig, StartupError, engine_keepalive
 from sidecar.dynamo.config import DynamoConfig, DynamoConfigError
 from sidecar.dynamo.options import dynamo_config, dynamo_options
 from sidecar.dynamo.plane import leave_before_drain, start_dynamo_plane
@@ -71,7 +71,10 @@ async def serve(
     task_status: Any = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the sidecar until drained; ``task_status.started(dict of bound addresses)``."""
-    async with trio_asyncio.open_loop(), open_engine_client(engine) as client:
+    async with (
+        trio_asyncio.open_loop(),
+        open_engine_client(engine, keepalive=engine_keepalive(config)) as client,
+    ):
         sidecar = Sidecar(client, config)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             card = await sidecar.startup()
@@ -221,10 +224,31 @@ async def _drain_on_signal(sidecar: Sidecar, signals: Any) -> None:
 @option("--load-interval", type=float, default=1.0, show_default=True, help="GetLoad polling interval.")
 @option(
     "--inactivity-timeout",
-    type=float,
-    default=0.0,
+    type=click.FloatRange(min=0),
+    default=30.0,
     show_default=True,
-    help="Fail a stream with no engine event for this long (0: never).",
+    help="Fail a stream whose engine sent nothing for this long after its first event (0: never).",
+)
+@option(
+    "--first-event-timeout",
+    type=click.FloatRange(min=0),
+    default=600.0,
+    show_default=True,
+    help="Fail a stream whose engine sent no first event for this long: queueing and prefill (0: never).",
+)
+@option(
+    "--engine-keepalive-interval",
+    type=click.FloatRange(min=0),
+    default=10.0,
+    show_default=True,
+    help="HTTP/2 PING an engine connection silent for this long while it owes an answer (0: never).",
+)
+@option(
+    "--engine-keepalive-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=10.0,
+    show_default=True,
+    help="Close an engine connection whose PING is not answered within this long.",
 )
 @option("--abort-timeout", type=float, default=2.0, show_default=True, help="Bound of one Abort attempt.")
 @option(
@@ -307,12 +331,15 @@ def run(**opts: Any) -> None:
         drain_engine=opts["drain_engine"],
         health_interval=opts["health_interval"],
         call_timeout=opts["call_timeout"],
+        keepalive_interval=opts["engine_keepalive_interval"],
+        keepalive_timeout=opts["engine_keepalive_timeout"],
         load_interval=opts["load_interval"],
         lora_root=_lora_root(opts["lora_root"]),
         lifecycle=LifecycleConfig(
             abort_timeout=opts["abort_timeout"],
             abort_retry_window=opts["abort_retry_window"],
             inactivity_timeout=opts["inactivity_timeout"],
+            first_event_timeout=opts["first_event_timeout"],
             max_streams=opts["max_streams"],
         ),
     )

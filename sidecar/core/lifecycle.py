@@ -103,12 +103,72 @@ class LifecycleConfig:
 
     abort_timeout: float = 2.0
     abort_retry_window: float = 30.0
-    inactivity_timeout: float = 0.0  # 0 = none
+    #: No event for this long after a stream's first event: the stream fails (0 = never).
+    inactivity_timeout: float = 0.0
+    #: No first event for this long (queueing + prefill): the stream fails (0 = never).
+    first_event_timeout: float = 0.0
     max_streams: int = 4096
     error_emit_timeout: float = 1.0
     max_concurrent_aborts: int = 64
     #: Longest ``request_id`` a client may give (it is echoed in every event of the stream).
     max_request_id_length: int = 256
+
+
+class Gate:
+    """Open or closed; :meth:`wait_open` returns once open."""
+
+    def __init__(self) -> None:
+        self.is_open = True
+        self._opened = trio.Event()
+        self._opened.set()
+
+    def close(self) -> None:
+        if self.is_open:
+            self.is_open = False
+            self._opened = trio.Event()
+
+    def open(self) -> None:
+        self.is_open = True
+        self._opened.set()
+
+    async def wait_open(self) -> None:
+        while not self.is_open:
+            await self._opened.wait()
+
+
+class EngineProgress:
+    """Events received from the engine over all streams, and whether its Generate path is
+    found stalled (``stalled``: why, or None).
+
+    Stalled: a stream that had started hit the inactivity timeout while no stream received any
+    event meanwhile — the whole Generate path stopped, not one request. Cleared by the next
+    event on any stream. While stalled, streams get ``inactivity_timeout`` (not the longer
+    first-event bound) for their first event, so requests still admitted meanwhile fail fast
+    and retryably instead of waiting out a long prefill bound. ``on_change`` is called at
+    each transition (readiness follows it).
+    """
+
+    __slots__ = ("events", "on_change", "stalled")
+
+    def __init__(self) -> None:
+        self.events = 0
+        self.stalled: str | None = None
+        self.on_change: Callable[[], None] | None = None
+
+    def stall(self, why: str) -> None:
+        if self.stalled is None:
+            metrics.GENERATE_STALLS.inc()
+            log.warning("engine Generate stalled: %s", why)
+        self.stalled = why
+        if self.on_change is not None:
+            self.on_change()
+
+    def resume(self) -> None:
+        if self.stalled is not None:
+            self.stalled = None
+            log.info("engine Generate making progress again")
+            if self.on_change is not None:
+                self.on_change()
 
 
 class StreamSupervisor:
@@ -133,6 +193,9 @@ class StreamSupervisor:
         #: Ids whose Abort is still being retried in the background: not admitted again until
         #: it is done (a late Abort would end the new stream).
         self._aborting: set[str] = set()
+        self.progress = EngineProgress()
+        #: Closed by the engine watch while the engine is lost (background Aborts wait).
+        self.engine_reachable = Gate()
 
     # -- service ---------------------------------------------------------------------------
 
@@ -226,7 +289,7 @@ class StreamSupervisor:
         raises :class:`ClientGone` when the client left. Raises nothing but the ``Cancelled``
         of an enclosing scope — and even then the upstream is closed and aborted first.
         """
-        relay = _Relay(handle, emit, self.config)
+        relay = _Relay(handle, emit, self.config, self.progress)
         try:
             with handle.scope:
                 await relay.run(self.engine)
@@ -313,9 +376,16 @@ class StreamSupervisor:
             self._aborting.discard(request_id)
 
     async def _retry_abort_until_done(self, request_id: str, attempted: bool) -> None:
+        self.progress = EngineProgress()
+        #: Closed by the engine watch while the engine is lost (background Aborts wait).
+        self.engine_reachable = Gate()
         deadline = trio.current_time() + self.config.abort_retry_window
         delay = 0.05
         while trio.current_time() < deadline:
+            if not self.engine_reachable.is_open:
+                paused = trio.current_time()
+                await self.engine_reachable.wait_open()
+                deadline += trio.current_time() - paused
             if attempted:
                 # jittered exponential backoff: a mass disconnect must not retry in lockstep
                 pause = delay * random.uniform(0.5, 1.5)
@@ -349,13 +419,16 @@ class _Relay:
         handle: StreamHandle,
         emit: Callable[[pb.GenerateResponse], Awaitable[None]],
         config: LifecycleConfig,
+        progress: EngineProgress,
     ) -> None:
         self.handle = handle
         self.emit = emit
         self.config = config
+        self.progress = progress
         self.stream: Any = None
         self.outcome: Outcome | None = None
         self.refused = False
+        self._events_seen = -1  # the engine-wide event count at this stream's last event
 
     def saw_terminal(self) -> bool:
         return self.stream is not None and self.stream.terminal_seen
@@ -365,15 +438,18 @@ class _Relay:
         return self.stream is not None and not self.stream.terminal_seen and not self.refused
 
     async def run(self, engine: EngineClient) -> None:
-        h, timeout = self.handle, self.config.inactivity_timeout
+        h, cfg, progress = self.handle, self.config, self.progress
+        first = cfg.first_event_timeout
+        if progress.stalled is not None and cfg.inactivity_timeout:
+            first = min(first, cfg.inactivity_timeout) if first else cfg.inactivity_timeout
         idle = trio.CancelScope()
         with idle:
             async with engine.generate(h.request, metadata=h.metadata, wire_request=h.wire_request) as stream:
                 self.stream = stream
-                if timeout:
-                    idle.deadline = trio.current_time() + timeout
+                if first:
+                    idle.deadline = trio.current_time() + first
                 try:
-                    await self._pump(stream, idle, timeout)
+                    await self._pump(stream, idle, cfg.inactivity_timeout)
                 except EngineTerminalError as err:
                     self.outcome = Outcome(FAILED, err.code, err.message, err.retryable)
                     with trio.move_on_after(self.config.error_emit_timeout):
@@ -389,9 +465,14 @@ class _Relay:
                     self.outcome = Outcome(FAILED, err.code, str(err), err.retryable)
                     return
         if idle.cancelled_caught:
-            self.outcome = Outcome(
-                FAILED, pb.ErrorCode.INTERNAL, f"no event from the engine for {timeout:g}s", retryable=True
-            )
+            if self.stream is not None and self.stream.messages:
+                timeout = cfg.inactivity_timeout
+                message = f"no event from the engine for {timeout:g}s"
+                if progress.events == self._events_seen:  # nothing on any stream meanwhile
+                    progress.stall(f"no event on any stream for {timeout:g}s")
+            else:
+                message = f"no first event from the engine for {first:g}s"
+            self.outcome = Outcome(FAILED, pb.ErrorCode.INTERNAL, message, retryable=True)
         elif not h.scope.cancel_called:
             self.outcome = OUTCOME_COMPLETED
 
@@ -401,10 +482,15 @@ class _Relay:
         ``ITL`` on a sample (the first gap, then one in ``ITL_SAMPLE``)."""
         emit, started, now = self.emit, self.handle.admitted_at, trio.current_time
         flush, sample = metrics.TOKENS_FLUSH, metrics.ITL_SAMPLE
+        progress = self.progress
         tokens = events = 0
         gap_start: float | None = None  # set at the token event that opens a sampled gap
         try:
             async for ev in stream:
+                if progress.stalled is not None:
+                    progress.resume()
+                progress.events += 1
+                self._events_seen = progress.events
                 token = ev.token
                 if token is not None:
                     tokens += len(token.tokens) or 1
@@ -425,6 +511,7 @@ class _Relay:
                     await emit(ev)
                     idle.deadline = trio.current_time() + timeout
                 else:
+                    idle.deadline = math.inf  # the first-event bound is met
                     await emit(ev)
         finally:
             if tokens:

@@ -53,6 +53,17 @@ ABORT_RETRIES = Counter("openengine_sidecar_abort_retries", "Abort attempts retr
 ENGINE_RECONNECTS = Counter(
     "openengine_sidecar_engine_reconnects", "Times the engine came back after being lost.", registry=REGISTRY
 )
+KEEPALIVE_TIMEOUTS = Counter(
+    "openengine_sidecar_engine_keepalive_timeouts",
+    "Engine connections closed because an HTTP/2 PING went unanswered (hung engine or dead path).",
+    registry=REGISTRY,
+)
+GENERATE_STALLS = Counter(
+    "openengine_sidecar_generate_stalls",
+    "Times the engine's Generate path was found stalled (a started stream hit --inactivity-timeout "
+    "with no event from the engine on any stream meanwhile).",
+    registry=REGISTRY,
+)
 DRAINING = Gauge("openengine_sidecar_draining", "1 while the sidecar drains.", registry=REGISTRY)
 READY = Gauge("openengine_sidecar_ready", "1 while /ready answers 200.", registry=REGISTRY)
 CONNECTIONS = Gauge("openengine_sidecar_connections", "Open WebSocket connections.", registry=REGISTRY)

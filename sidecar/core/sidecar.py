@@ -29,7 +29,7 @@ from sidecar.core.health import SERVING_HEALTH, EngineState, HealthStatus, ask_e
 from sidecar.core.lifecycle import CANCELLED, LifecycleConfig, Outcome, StreamHandle, StreamSupervisor
 from sidecar.core.load import MalformedLoadInfo, attributes_dict, split_load_info
 from sidecar.openengine import pb
-from sidecar.openengine.client import EngineClient
+from sidecar.openengine.client import EngineClient, Keepalive
 from sidecar.openengine.errors import EngineClientError, EngineStatusError
 from sidecar.quoting import quote
 
@@ -61,6 +61,9 @@ class SidecarConfig:
     #: shows none). Conversion costs ~50 µs of CPU per KiB every poll (in a worker thread).
     load_attributes_max_bytes: int = 256 * 1024
     call_timeout: float = 5.0
+    #: HTTP/2 PING liveness of the engine connections (``--engine-keepalive-*``; 0: off).
+    keepalive_interval: float = 10.0
+    keepalive_timeout: float = 10.0
     reconnect_initial: float = 0.1
     reconnect_max: float = 5.0
     drain_timeout: float = 20.0
@@ -73,6 +76,13 @@ class SidecarConfig:
     #: (``sidecar.core.engine_lane``; 0: no limit).
     client_engine_calls: int = 8
     client_engine_calls_per_connection: int = 4
+
+
+def engine_keepalive(config: SidecarConfig) -> Keepalive | None:
+    """The engine connections' PING liveness for ``config`` (counted in ``engine_keepalive_timeouts``)."""
+    if config.keepalive_interval <= 0:
+        return None
+    return Keepalive(config.keepalive_interval, config.keepalive_timeout, metrics.KEEPALIVE_TIMEOUTS.inc)
 
 
 class StartupError(Exception):
@@ -91,6 +101,7 @@ class Sidecar:
         self.lane = EngineCallLane(
             self.config.client_engine_calls, self.config.client_engine_calls_per_connection
         )
+        self.supervisor.progress.on_change = self._readiness_changed
         self.load = LoadTracker(stale_after=self.config.load_stale_after)
         self.card: WorkerCard | None = None
         self.engine_state: EngineState = "unknown"  # sidecar.core.health's vocabulary
@@ -116,7 +127,16 @@ class Sidecar:
         return reason
 
     def engine_not_ready_reason(self) -> str | None:
-        """Why new streams are refused (``None`` when the engine serves)."""
+        """Why routers should send no new work to the engine (``None`` when it serves): the
+        reasons new streams are refused, or its Generate path found stalled."""
+        reason = self._admission_problem()
+        if reason is None and self.supervisor.progress.stalled is not None:
+            return f"engine Generate stalled ({self.supervisor.progress.stalled})"
+        return reason
+
+    def _admission_problem(self) -> str | None:
+        """Why new streams are refused (``None``: admitted). A stalled Generate path does not
+        refuse them: they are the probe that finds it working again (lifecycle.EngineProgress)."""
         if self.draining:
             return "draining"
         if self.problem is not None:
@@ -124,6 +144,9 @@ class Sidecar:
         if self.card is None:
             return "engine not discovered"
         return None
+
+    def _readiness_changed(self) -> None:
+        metrics.READY.set(1 if self.not_ready_reason() is None else 0)
 
     def set_plane_problem(self, plane: str, problem: str | None) -> None:
         """Record (or clear, with ``None``) why ``plane`` cannot be reached by its clients."""
@@ -161,7 +184,7 @@ class Sidecar:
         """Admission before the engine; raises :class:`Rejection`. See ``sidecar.core.admission``."""
         if self.draining:
             raise Rejection(pb.ErrorCode.DRAINING, "the sidecar is draining; send new work elsewhere", True)
-        reason = self.engine_not_ready_reason()
+        reason = self._admission_problem()
         if reason is not None or self.card is None:
             raise Rejection(pb.ErrorCode.INTERNAL, f"engine not ready: {reason}", True)
         admitted = admit_request(request, metadata, self.card)
@@ -345,6 +368,9 @@ class Sidecar:
         does not answer within ``call_timeout`` only on the second such check in a row (an
         overloaded host can delay one control call; turning not ready would then reject every
         new stream for nothing). ``openengine_sidecar_health_checks{result}`` counts both.
+        A first slow check also sends one HTTP/2 PING on every engine connection
+        (``EngineClient.probe_liveness``): a hung engine or a dead path answers none, and those
+        connections — with their streams — are closed after the keepalive timeout.
         """
         task_status.started()
         cfg = self.config
@@ -370,6 +396,7 @@ class Sidecar:
                             metrics.ENGINE_RECONNECTS.inc()
                             log.info("engine at %s is back; rediscovered", self.engine.address)
                         lost = False
+                        self.supervisor.engine_reachable.open()
                         delay = cfg.reconnect_initial
                 metrics.child(metrics.HEALTH_CHECKS, "ok").inc()
                 slow_in_a_row = 0
@@ -383,6 +410,11 @@ class Sidecar:
                 slow = isinstance(err, trio.TooSlowError)
                 metrics.child(metrics.HEALTH_CHECKS, "slow" if slow else "failed").inc()
                 slow_in_a_row = slow_in_a_row + 1 if slow else 0
+                if slow and slow_in_a_row == 1:
+                    # a hung process or a dead path answers no PING either: find out now
+                    # rather than at the connections' next keepalive (a slow Control service
+                    # answers PINGs; its streams are left alone)
+                    await self.engine.probe_liveness()
                 if slow_in_a_row == 1 and not lost and self.card is not None:
                     log.warning(
                         "engine health check got no answer in %.1fs; checking again", cfg.call_timeout
@@ -392,6 +424,7 @@ class Sidecar:
                 if not lost:
                     log.warning("engine at %s lost: %s", self.engine.address, err or "no answer in time")
                 lost = True
+                self.supervisor.engine_reachable.close()  # background Aborts wait for it
                 self._set_problem(f"engine unreachable: {err or 'no answer in time'}")
                 await trio.sleep(delay)
                 delay = min(delay * 2, cfg.reconnect_max)

@@ -6,6 +6,7 @@ in-process, by tests (through ``trio_asyncio.aio_as_trio``).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -136,12 +137,16 @@ async def serve_engine(
     stop: object,
     on_ready: Callable[[ServingInfo], None] | None = None,
     exit_process: Callable[[int], None] | None = None,
+    hang_signals: bool = False,
 ) -> None:
     """Serve until ``stop`` (an ``asyncio.Event``) is set, then shut down.
 
-    Calls ``on_ready`` once serving, then logs :func:`serving_line`.
+    Calls ``on_ready`` once serving, then logs :func:`serving_line`. ``hang_signals``: SIGUSR1 /
+    SIGUSR2 flip the engine's hang switches (``sidecar/mock/hangs.py``; the CLI sets it).
     """
-    async with open_engine(config, exit_process=exit_process) as (_engine, info):
+    async with open_engine(config, exit_process=exit_process) as (engine, info):
+        if hang_signals:
+            engine.hangs.install_signals(asyncio.get_running_loop())
         if on_ready is not None:
             on_ready(info)
         log.info("%s", serving_line(info))

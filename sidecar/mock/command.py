@@ -173,7 +173,10 @@ def mock_engine(**kw: Any) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await serve_engine(
-            config, stop=stop, on_ready=(lambda info: write_ready(ready_file, info)) if ready_file else None
+            config,
+            stop=stop,
+            on_ready=(lambda info: write_ready(ready_file, info)) if ready_file else None,
+            hang_signals=True,
         )
 
     try:

@@ -30,6 +30,7 @@ from sidecar.mock import flavors, schemas
 from sidecar.mock import generator as gen
 from sidecar.mock.config import EngineConfig
 from sidecar.mock.counters import Counters
+from sidecar.mock.hangs import Hangs
 from sidecar.mock.kvcache import Allocation, KvCache, KvCacheFull
 from sidecar.mock.kvevents_model import KvEventSink, KvGroundTruth
 from sidecar.mock.lora import LoraRegistry
@@ -172,6 +173,7 @@ class MockEngine:
         self._ids = itertools.count(1)
         self._drops_left = config.faults.drop_aborts
         self.slow_health_left = 0  # armed by the first accepted request (fault slow-health)
+        self.hangs = Hangs()  # runtime hang switches (mock-engine: SIGUSR1 / SIGUSR2)
 
     # -- lifecycle -------------------------------------------------------------------
 

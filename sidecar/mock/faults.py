@@ -24,6 +24,11 @@ Engine-wide faults (``--fault``):
 ``kv-tagged-arrays``       KV events (ZMQ): events as tagged arrays instead of maps.
 =========================  ================================================================
 
+Hangs (runtime switches, no ``--fault``; ``sidecar/mock/hangs.py``): ``mock-engine`` toggles a
+hang of its Control service on ``SIGUSR1`` (Health, GetLoad, Abort … wait; Generate runs) and a
+hang of Generate on ``SIGUSR2`` (streams stop advancing; Health answers READY). A whole-process
+hang is ``SIGSTOP`` / ``SIGCONT``.
+
 Contract violations (engine-wide flags, no value), one per rule the conformance suite
 (``openengine-sidecar conformance``, docs/CONFORMANCE.md) enforces, so each of its
 checks can be shown to fail:

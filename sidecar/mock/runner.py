@@ -364,7 +364,10 @@ async def _generate(stream: _Stream) -> None:
     fast = stream.fast_tokens
     delay = stream.delay
     steps = 0
+    hung = engine.hangs.generate_running
     while active:
+        if not hung.is_set():  # the Generate hang switch (sidecar/mock/hangs.py); an Abort still ends it
+            await _abortable(req, hung.wait())
         if delay > 0:
             await _pause(req, delay)
         elif not stream.fast or steps % _FAST_YIELD_EVERY == 0:

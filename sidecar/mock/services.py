@@ -83,31 +83,37 @@ class ControlService(pb.ControlBase):
         self.engine = engine
 
     async def get_server_info(self, message: pb.GetServerInfoRequest) -> pb.ServerInfo:
+        await self.engine.hangs.control()
         return self.engine.server_info()
 
     async def get_model_info(self, message: pb.GetModelInfoRequest) -> pb.ModelInfo:
+        await self.engine.hangs.control()
         try:
             return self.engine.model_info(message.model)
         except Rejection as rej:
             raise _status(rej) from None
 
     async def get_load(self, message: pb.GetLoadRequest) -> pb.LoadInfo:
+        await self.engine.hangs.control()
         report = REPORT_CANCEL_TIMES in request_metadata()
         return self.engine.load(message.include_per_rank, report_cancel_times=report)
 
     async def health(self, message: pb.HealthRequest) -> pb.HealthResponse:
+        await self.engine.hangs.control()
         if self.engine.slow_health_left > 0:  # fault slow-health
             self.engine.slow_health_left -= 1
             await asyncio.sleep(SLOW_HEALTH_DELAY)
         return self.engine.health(message)
 
     async def abort(self, message: pb.AbortRequest) -> pb.AbortResponse:
+        await self.engine.hangs.control()
         try:
             return self.engine.abort(message)
         except Rejection as rej:
             raise _status(rej) from None
 
     async def drain(self, message: pb.DrainRequest) -> AsyncIterator[pb.DrainResponse]:
+        await self.engine.hangs.control()
         try:
             async for response in drain_mod.drain(self.engine, message):
                 yield response
@@ -115,6 +121,7 @@ class ControlService(pb.ControlBase):
             raise _status(rej) from None
 
     async def load_lora(self, message: pb.LoadLoraRequest) -> pb.LoadLoraResponse:
+        await self.engine.hangs.control()
         try:
             adapter, already = self.engine.loras.load(message.adapter)
         except LoraError as err:
@@ -122,6 +129,7 @@ class ControlService(pb.ControlBase):
         return pb.LoadLoraResponse(adapter=adapter.to_pb(), already_loaded=already)
 
     async def unload_lora(self, message: pb.UnloadLoraRequest) -> pb.UnloadLoraResponse:
+        await self.engine.hangs.control()
         try:
             adapter = self.engine.loras.unload(message.lora_name)
         except LoraError as err:
@@ -129,6 +137,7 @@ class ControlService(pb.ControlBase):
         return pb.UnloadLoraResponse(adapter=adapter.to_pb())
 
     async def list_loras(self, message: pb.ListLorasRequest) -> pb.ListLorasResponse:
+        await self.engine.hangs.control()
         if not self.engine.loras.enabled:
             raise RpcStatusError("FAILED_PRECONDITION", "LoRA is disabled on this engine")
         return pb.ListLorasResponse(adapters=[a.to_pb() for a in self.engine.loras.adapters()])
@@ -136,6 +145,7 @@ class ControlService(pb.ControlBase):
     async def get_kv_event_sources(
         self, message: pb.GetKvEventSourcesRequest
     ) -> pb.GetKvEventSourcesResponse:
+        await self.engine.hangs.control()
         events = self.engine.kv_events
         if events is None:
             return pb.GetKvEventSourcesResponse()
@@ -155,6 +165,7 @@ class ControlService(pb.ControlBase):
     async def subscribe_kv_events(
         self, message: pb.SubscribeKvEventsRequest
     ) -> AsyncIterator[pb.SubscribeKvEventsResponse]:
+        await self.engine.hangs.control()
         events = self.engine.kv_events
         if events is None or not hasattr(events, "subscribe"):
             raise RpcStatusError(

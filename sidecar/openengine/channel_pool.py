@@ -25,10 +25,26 @@ Every channel of the client (control and KV too) is a :class:`SettingsAwareChann
 connections also coalesce the writes of one event-loop step into one send: a new stream's
 HEADERS and DATA frames (and the frames of streams opened together) leave in one syscall.
 
+**Liveness (HTTP/2 PING).** A hung engine process or a network path that silently drops
+packets leaves a TCP connection open that nothing notices: the kernel keeps accepting our
+bytes. With a :class:`Keepalive`, each connection sends a PING when the engine *owes* it
+something (a stream is open, or one was opened since the engine last sent a frame) and the
+engine has sent no DATA or HEADERS for ``interval`` seconds; a PING not acknowledged within
+``timeout`` aborts the connection (its streams fail with ``EngineUnavailable``; the next call
+opens a new connection). At most :data:`PINGS_PER_SILENCE` acknowledged PINGs are sent per
+stretch without DATA/HEADERS: gRPC's C-core and Go servers by default answer a third PING
+without data in between (within 5 minutes) with GOAWAY ``too_many_pings``, which would kill a
+long prefill; after two acknowledged PINGs the connection counts as alive until the engine
+sends data again. :meth:`EngineClient.probe_liveness` sends one PING now on every connection
+whatever the count (the sidecar does so when the engine stops answering ``Health``).
+
 grpclib internals used (checked against grpclib 0.4.9, pinned ``<0.5``): ``Channel._protocol``,
 ``Channel._protocol_factory``, ``Channel.__connect__``, ``EventsProcessor.processors`` and the
 h2 connection at ``protocol.connection._connection``; reading the peer's limit is guarded.
-h2 internal (h2 4.x): ``H2Connection._closed_streams._size_limit`` (:data:`CLOSED_STREAMS_KEPT`).
+h2 internal (h2 4.x): ``H2Connection._closed_streams._size_limit`` (:data:`CLOSED_STREAMS_KEPT`);
+h2's public ``ping``, ``open_outbound_streams``, ``highest_outbound_stream_id`` and the
+``PingAckReceived`` / ``DataReceived`` / ``ResponseReceived`` / ``TrailersReceived`` events
+through grpclib's ``EventsProcessor.processors`` (liveness).
 
 Runs on the asyncio side (trio-asyncio loop). The counts are reservations made by
 :meth:`acquire` and returned by the ``release`` callback it hands out; since grpclib closes
@@ -40,12 +56,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from grpclib.client import Channel, Handler
 from grpclib.protocol import H2Protocol
-from h2.events import RemoteSettingsChanged
+from h2.events import (
+    DataReceived,
+    InformationalResponseReceived,
+    PingAckReceived,
+    RemoteSettingsChanged,
+    ResponseReceived,
+    TrailersReceived,
+)
+
+log = logging.getLogger(__name__)
 
 #: How long a stream on a new connection waits for the peer's first SETTINGS frame.
 SETTINGS_WAIT = 2.0
@@ -66,6 +94,124 @@ COALESCE_WRITES = True
 #: streams for 675,000 streams (soak), and a pool of up to 256 connections could hold
 #: ~1.9 GiB of it; with 2,048 it was flat after warm-up (docs/RELIABILITY.md, soak).
 CLOSED_STREAMS_KEPT = 4096
+
+
+#: Acknowledged PINGs per stretch without DATA/HEADERS from the engine (module doc: gRPC
+#: servers answer the third with GOAWAY ``too_many_pings``).
+PINGS_PER_SILENCE = 2
+
+
+@dataclass(frozen=True)
+class Keepalive:
+    """HTTP/2 PING liveness of engine connections (module doc). ``interval`` <= 0: off.
+    ``on_dead`` is called (on the asyncio side) for each connection aborted by it."""
+
+    interval: float = 10.0
+    timeout: float = 10.0
+    on_dead: Callable[[], None] | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.interval > 0
+
+
+class _Liveness:
+    """The PING timer of one connection (module doc). Lives and dies with its protocol."""
+
+    def __init__(self, protocol: _SettingsAwareProtocol, keepalive: Keepalive) -> None:
+        self._protocol = protocol
+        self._keepalive = keepalive
+        self._loop = asyncio.get_event_loop()
+        self._last_data = self._loop.time()
+        self._last_ping = 0.0
+        self._pings = 0  # acknowledged PINGs since the last DATA/HEADERS
+        self._stream_mark = 0  # highest outbound stream id at the last DATA/HEADERS
+        self._outstanding: bytes | None = None
+        self._deadline: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._closed = False
+        self._schedule(keepalive.interval)
+
+    def _h2(self) -> Any:
+        return self._protocol.connection._connection
+
+    def data_seen(self) -> None:
+        """The engine sent DATA or HEADERS: it is alive; the PING count starts again."""
+        self._last_data = self._loop.time()
+        self._pings = 0
+        with contextlib.suppress(AttributeError):
+            self._stream_mark = self._h2().highest_outbound_stream_id or 0
+
+    def ack(self, payload: bytes) -> None:
+        if payload == self._outstanding:
+            self._outstanding = None
+            self._pings += 1
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+    def _owed(self) -> bool:
+        """The engine owes us an answer: a stream is open, or one opened since its last data."""
+        h2 = self._h2()
+        return bool(h2.open_outbound_streams) or (h2.highest_outbound_stream_id or 0) > self._stream_mark
+
+    def _schedule(self, delay: float) -> None:
+        if not self._closed:
+            self._timer = self._loop.call_later(max(delay, 0.01), self._check)
+
+    def _check(self) -> None:
+        self._timer = None
+        if self._closed:
+            return
+        interval = self._keepalive.interval
+        now = self._loop.time()
+        quiet_since = max(self._last_data, self._last_ping)
+        if now - quiet_since < interval:
+            self._schedule(quiet_since + interval - now)
+            return
+        try:
+            due = self._outstanding is None and self._pings < PINGS_PER_SILENCE and self._owed()
+        except AttributeError:  # the connection is being torn down
+            due = False
+        if due:
+            self.ping()
+        self._schedule(interval)
+
+    def ping(self) -> None:
+        """Send one PING now (unless one is outstanding) and arm its deadline."""
+        if self._closed or self._outstanding is not None:
+            return
+        payload = os.urandom(8)
+        try:
+            self._h2().ping(payload)
+            self._protocol.connection.flush()
+        except Exception as err:  # a closing connection: nothing to probe
+            log.debug("engine PING not sent: %s", err)
+            return
+        self._outstanding = payload
+        self._last_ping = self._loop.time()
+        self._deadline = self._loop.call_later(self._keepalive.timeout, self._dead)
+
+    def _dead(self) -> None:
+        self._deadline = None
+        if self._closed:
+            return
+        log.warning(
+            "engine connection %s: no PING answer in %gs; closing it (a hung engine or a dead path)",
+            self._protocol.peer_name(),
+            self._keepalive.timeout,
+        )
+        if self._keepalive.on_dead is not None:
+            self._keepalive.on_dead()
+        self.close()
+        self._protocol.abort()
+
+    def close(self) -> None:
+        self._closed = True
+        for handle in (self._timer, self._deadline):
+            if handle is not None:
+                handle.cancel()
+        self._timer = self._deadline = None
 
 
 class _CoalescingTransport:
@@ -106,38 +252,82 @@ class _CoalescingTransport:
 
 class _SettingsAwareProtocol(H2Protocol):
     """grpclib's client protocol, plus an event set when the peer's first SETTINGS arrived
-    (or the connection was lost), and coalesced writes."""
+    (or the connection was lost), coalesced writes and (with a :class:`Keepalive`) liveness."""
 
     settings_seen: asyncio.Event
+    liveness: _Liveness | None = None
+
+    def __init__(self, *args: Any, keepalive: Keepalive | None = None) -> None:
+        super().__init__(*args)
+        self._keepalive = keepalive
+        self._transport: Any = None
 
     def connection_made(self, transport: Any) -> None:
         self.settings_seen = asyncio.Event()
         if COALESCE_WRITES:
             transport = _CoalescingTransport(transport)
+        self._transport = transport
         super().connection_made(transport)
         closed: Any = self.connection._connection._closed_streams  # h2's SizeLimitDict
         closed._size_limit = CLOSED_STREAMS_KEPT
         processors = self.processor.processors
-        inner: Callable[[Any], None] = processors[RemoteSettingsChanged]  # type: ignore[assignment]
-        seen = self.settings_seen
+        _wrap(processors, RemoteSettingsChanged, lambda event: self.settings_seen.set())
+        if self._keepalive is not None and self._keepalive.enabled:
+            liveness = self.liveness = _Liveness(self, self._keepalive)
+            for kind in (DataReceived, ResponseReceived, TrailersReceived, InformationalResponseReceived):
+                _wrap(processors, kind, lambda event: liveness.data_seen())
+            _wrap(processors, PingAckReceived, lambda event: liveness.ack(event.ping_data))
 
-        def on_settings(event: Any) -> None:
-            inner(event)
-            seen.set()
+    def peer_name(self) -> str:
+        try:
+            peer = self._transport.get_extra_info("peername")
+        except Exception:  # pragma: no cover - diagnostics only
+            peer = None
+        return str(peer) if peer else "(unix socket)"
 
-        processors[RemoteSettingsChanged] = on_settings
+    def abort(self) -> None:
+        """Drop the connection at once (no flush: the peer may never read)."""
+        if self._transport is not None:
+            self._transport.abort()
 
     def connection_lost(self, exc: BaseException | None) -> None:
+        if self.liveness is not None:
+            self.liveness.close()
         super().connection_lost(exc)
         if hasattr(self, "settings_seen"):
             self.settings_seen.set()
 
 
+def _wrap(processors: dict[Any, Any], kind: type, after: Callable[[Any], None]) -> None:
+    """Make grpclib's processor of ``kind`` events also call ``after(event)``."""
+    inner = processors.get(kind)
+
+    def process(event: Any) -> None:
+        if inner is not None:
+            inner(event)
+        after(event)
+
+    processors[kind] = process
+
+
 class SettingsAwareChannel(Channel):
-    """A grpclib ``Channel`` whose connections report when the peer's settings are known."""
+    """A grpclib ``Channel`` whose connections report when the peer's settings are known and,
+    given a :class:`Keepalive`, check their liveness with PINGs."""
+
+    def __init__(self, *args: Any, keepalive: Keepalive | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._keepalive = keepalive
 
     def _protocol_factory(self) -> H2Protocol:
-        return _SettingsAwareProtocol(Handler(), self._config, self._h2_config)
+        return _SettingsAwareProtocol(Handler(), self._config, self._h2_config, keepalive=self._keepalive)
+
+
+def probe_liveness(channel: Channel) -> None:
+    """One PING now on ``channel``'s connection, if it has one with liveness (module doc)."""
+    protocol = getattr(channel, "_protocol", None)
+    liveness = getattr(protocol, "liveness", None)
+    if liveness is not None:
+        liveness.ping()
 
 
 def peer_stream_limit(protocol: Any) -> int | None:
@@ -219,6 +409,10 @@ class GeneratePool:
                 return slot.channel, release
             self._release(slot)  # the peer allows fewer streams than we reserved: move
         raise AssertionError("unreachable")
+
+    def channels(self) -> list[Channel]:
+        """The pool's channels (connected or not)."""
+        return [s.channel for s in self._slots]
 
     def close(self) -> list[Channel]:
         """Forget every channel and return them for closing (in-flight streams then fail)."""

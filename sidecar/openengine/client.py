@@ -1,6 +1,7 @@
 """The trio-facing OpenEngine client: every RPC of ``Inference`` and ``Control``.
 
-Resources: grpclib channels (HTTP/2 connections) — one for control calls, one for KV-event
+Resources: grpclib channels (HTTP/2 connections; with a ``keepalive``, each checked with
+HTTP/2 PINGs while the engine owes it an answer) — one for control calls, one for KV-event
 subscriptions, and a pool for Generate streams (at least ``generate_channels``, at most
 ``max_streams_per_channel`` streams each and never more than the engine's
 ``SETTINGS_MAX_CONCURRENT_STREAMS``; grown and shrunk with the load, see
@@ -41,7 +42,7 @@ from sidecar.nursery import open_background_nursery
 from sidecar.openengine import pb
 from sidecar.openengine.address import EngineAddress, parse_engine_address
 from sidecar.openengine.bounded_recv import recv_bounded
-from sidecar.openengine.channel_pool import GeneratePool, SettingsAwareChannel
+from sidecar.openengine.channel_pool import GeneratePool, Keepalive, SettingsAwareChannel, probe_liveness
 from sidecar.openengine.errors import (
     STATUS_TO_CODE,
     EngineClientError,
@@ -52,6 +53,8 @@ from sidecar.openengine.errors import (
 from sidecar.openengine.fastdecode import decode_token_event
 from sidecar.openengine.rawfields import nested_field_bytes
 from sidecar.openengine.stream_rules import DrainRules, GenerateRules, KvEventRules
+
+__all__ = ["EngineClient", "EngineStream", "Keepalive", "open_engine_client"]
 
 MetadataLike = Mapping[str, str] | Collection[tuple[str, str]]
 T = TypeVar("T")
@@ -216,8 +219,10 @@ class EngineClient:
         max_streams_per_channel: int = 128,
         max_generate_channels: int = 256,
         idle_channel_close: float = 5.0,
+        keepalive: Keepalive | None = None,
     ) -> None:
         self.address = address
+        self._keepalive = keepalive
         self._stream_buffer = stream_buffer
         self._control: Channel | None = None
         self._kv: Channel | None = None
@@ -246,7 +251,12 @@ class EngineClient:
         if self._closed:
             raise EngineUnavailable("engine client is closed")
         a = self.address
-        kw: dict[str, Any] = {"codec": _Codec(), "status_details_codec": None, "config": _CHANNEL_CONFIG}
+        kw: dict[str, Any] = {
+            "codec": _Codec(),
+            "status_details_codec": None,
+            "config": _CHANNEL_CONFIG,
+            "keepalive": self._keepalive,
+        }
         if a.path is not None:
             return SettingsAwareChannel(path=a.path, **kw)
         return SettingsAwareChannel(a.host, a.port, **kw)
@@ -260,6 +270,18 @@ class EngineClient:
         if self._kv is None:
             self._kv = self._new_channel()
         return self._kv
+
+    async def probe_liveness(self) -> None:
+        """One HTTP/2 PING now on every open connection (with a keepalive): a connection whose
+        PING goes unanswered within the keepalive timeout is aborted, failing its streams.
+        Used when the engine stops answering ``Health`` (channel_pool module doc)."""
+        channels = [c for c in (self._control, self._kv, *self._generate.channels()) if c is not None]
+
+        async def probe() -> None:
+            for channel in channels:
+                probe_liveness(channel)
+
+        await trio_asyncio.aio_as_trio(probe)()
 
     async def aclose(self) -> None:
         """Close every connection (idempotent). In-flight calls fail with EngineUnavailable."""
@@ -496,6 +518,7 @@ async def open_engine_client(
     max_streams_per_channel: int = 128,
     max_generate_channels: int = 256,
     idle_channel_close: float = 5.0,
+    keepalive: Keepalive | None = None,
 ) -> AsyncIterator[EngineClient]:
     """An :class:`EngineClient` for ``address`` (``host:port``, ``http://host:port``, ``unix:///path``).
 
@@ -503,7 +526,8 @@ async def open_engine_client(
     address it cannot parse. Closes every connection on exit. ``generate_channels`` is the
     Generate pool's minimum size; ``max_streams_per_channel`` caps the streams per connection
     (below the engine's own advertised cap); ``max_generate_channels`` bounds the pool;
-    extra channels are closed ``idle_channel_close`` seconds after their last stream ended.
+    extra channels are closed ``idle_channel_close`` seconds after their last stream ended;
+    ``keepalive`` checks every connection's liveness with HTTP/2 PINGs (channel_pool module doc).
     """
     addr = address if isinstance(address, EngineAddress) else parse_engine_address(address)
     client = EngineClient(
@@ -513,6 +537,7 @@ async def open_engine_client(
         max_streams_per_channel=max_streams_per_channel,
         max_generate_channels=max_generate_channels,
         idle_channel_close=idle_channel_close,
+        keepalive=keepalive,
     )
     try:
         yield client

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio_asyncio
 
 from sidecar.core.errors import Rejection
 from sidecar.core.lifecycle import (
@@ -143,6 +144,73 @@ async def test_inactivity_timeout(server: RunningServer, supervisor: StreamSuper
         outcome = await supervisor.run(supervisor.admit(request()), Sink())
     assert outcome.kind == FAILED and outcome.retryable and "no event" in outcome.message
     assert aborts(server) == ["r1"]
+
+
+async def test_inactivity_timeout_starts_after_the_first_event(
+    server: RunningServer, supervisor: StreamSupervisor
+) -> None:
+    """A long prefill (no first event for 0.5 s) is not cut by a 0.2 s inactivity timeout; the
+    first-event bound is separate."""
+    supervisor.config.inactivity_timeout = 0.2
+    gate = Gate()
+    server.engine.streams["Generate"] = lambda r, md: [gate, *tokens(r.request_id, 3)]
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(open_gate_after, gate, 0.5)
+            outcome = await supervisor.run(supervisor.admit(request()), Sink())
+    assert outcome.kind == COMPLETED
+    assert supervisor.progress.stalled is None
+
+
+async def test_first_event_timeout(server: RunningServer, supervisor: StreamSupervisor) -> None:
+    supervisor.config.first_event_timeout = 0.2
+    server.engine.streams["Generate"] = lambda r, md: [Gate()]
+    with trio.fail_after(5):
+        outcome = await supervisor.run(supervisor.admit(request()), Sink())
+    assert outcome.kind == FAILED and outcome.retryable and "no first event" in outcome.message
+    assert aborts(server) == ["r1"]
+    assert supervisor.progress.stalled is None  # one slow request says nothing about Generate
+
+
+async def test_every_started_stream_silent_marks_generate_stalled_until_an_event(
+    server: RunningServer, supervisor: StreamSupervisor
+) -> None:
+    """Two started streams both silent past the inactivity timeout: the Generate path is
+    stalled (readiness follows ``progress.stalled``); a stream admitted meanwhile gets the
+    inactivity timeout as its first-event bound; the next event clears it."""
+    supervisor.config.inactivity_timeout = 0.3
+    supervisor.config.first_event_timeout = 60.0
+    changes: list[str | None] = []
+    supervisor.progress.on_change = lambda: changes.append(supervisor.progress.stalled)
+    server.engine.streams["Generate"] = lambda r, md: [tokens(r.request_id, 1)[0], Gate()]
+    with trio.fail_after(10):
+        outcomes: list[Any] = []
+
+        async def run(rid: str) -> None:
+            outcomes.append(await supervisor.run(supervisor.admit(request(rid)), Sink()))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "a")
+            nursery.start_soon(run, "b")
+        assert [o.kind for o in outcomes] == [FAILED, FAILED]
+        assert supervisor.progress.stalled is not None and changes[0] is not None
+        server.engine.streams["Generate"] = lambda r, md: [Gate()]
+        t0 = trio.current_time()
+        late = await supervisor.run(supervisor.admit(request("c")), Sink())
+        assert late.kind == FAILED and "no first event" in late.message
+        assert trio.current_time() - t0 < 5  # 0.3 s, not the 60 s first-event bound
+        server.engine.streams["Generate"] = lambda r, md: tokens(r.request_id, 2)
+        assert (await supervisor.run(supervisor.admit(request("d")), Sink())).kind == COMPLETED
+    assert supervisor.progress.stalled is None and changes[-1] is None
+
+
+async def open_gate_after(gate: Gate, seconds: float) -> None:
+    await trio.sleep(seconds)  # the engine's delay is the scenario, not a synchronization
+
+    async def open_() -> None:
+        gate.event.set()
+
+    await trio_asyncio.aio_as_trio(open_)()
 
 
 async def test_abort_retried_on_unavailable(server: RunningServer, supervisor: StreamSupervisor) -> None:
