@@ -20,6 +20,12 @@ def _missing(message: str) -> None:
     pytest.skip(message, allow_module_level=True)
 
 
+def require(condition: bool, message: str) -> None:
+    """Skip with ``message`` unless ``condition`` (fail under CI)."""
+    if not condition:
+        _missing(message)
+
+
 def require_tool(name: str, installer: str = "scripts/ci-deps") -> str:
     """Path of a command-line tool; skip when absent locally, fail in CI (``installer`` installs it)."""
     path = shutil.which(name)

@@ -11,12 +11,23 @@ there shows up as a gap afterwards and is replayed in turn).
 Each wake-up takes every queued message (up to ``drain_limit``) and hands their batches to
 the publisher as one list: one channel hop and one scheduler round per group, not per batch.
 
+Silent connections. A partitioned network path (packets dropped, nothing refused) leaves the
+SUB's TCP connection open, and whatever the engine publishes meanwhile arrives, if at all,
+when TCP's retransmission backoff next tries. So the SUB runs ZMTP heartbeats
+(``zmq_heartbeat``): a connection without an answer for three intervals is dropped and made
+again (``ZMQ_CONNECT_TIMEOUT`` bounds each attempt), and after ``silence_probe`` seconds
+without a batch the ingest asks the replay endpoint for what follows the last batch it has
+— a gap the next live batch would reveal is closed even if the engine publishes nothing more.
+A probe that fails changes nothing (nothing is known to be missing); one that returns batches
+is handled exactly like live ones (a hole in them is a gap, replayed or cleared as usual).
+
 Cancellation: cancel the surrounding scope; there is nothing to flush.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import trio
@@ -50,6 +61,8 @@ class ZmqIngest:
         limits: IngestLimits | None = None,
         drain_limit: int = 64,
         cleared: bool = False,
+        zmq_heartbeat: float = 0.0,
+        silence_probe: float = 0.0,
     ) -> None:
         self.ctx = ctx
         self.source = source
@@ -58,6 +71,8 @@ class ZmqIngest:
         self.replay_timeout = replay_timeout
         self.limits = limits or IngestLimits()
         self.drain_limit = drain_limit
+        self.zmq_heartbeat = zmq_heartbeat
+        self.silence_probe = silence_probe
         self.metrics = RankMetrics(source.rank)
         self.sequencer: ZmqSequencer[bytes] = ZmqSequencer(
             can_replay=source.replay_endpoint is not None, cleared=cleared
@@ -91,6 +106,12 @@ class ZmqIngest:
                     sub.setsockopt(zmq.RCVHWM, self.hwm)
                     sub.setsockopt(zmq.MAXMSGSIZE, self.limits.max_batch_bytes)
                     sub.setsockopt(zmq.SUBSCRIBE, src.topic.encode())
+                    if self.zmq_heartbeat > 0:
+                        ivl = max(1, int(self.zmq_heartbeat * 1000))
+                        sub.setsockopt(zmq.HEARTBEAT_IVL, ivl)
+                        sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ivl)
+                        sub.setsockopt(zmq.HEARTBEAT_TTL, 3 * ivl)
+                        sub.setsockopt(zmq.CONNECT_TIMEOUT, 3 * ivl)
                     sub.connect(src.endpoint)
                     if not started:
                         task_status.started()
@@ -120,12 +141,16 @@ class ZmqIngest:
         src = self.source
         m = self.metrics
         seqr = self.sequencer
+        silence = self.silence_probe if self.silence_probe > 0 and src.replay_endpoint else math.inf
         while not self._dropped:
             out: list[EventBatch] = []
             received: list[list[bytes]] = []  # stays empty when the wait ends by a drop
-            with trio.CancelScope() as self._waiting:
+            with trio.CancelScope() as self._waiting, trio.move_on_after(silence) as quiet:
                 received = await recv_some(sub, self.drain_limit)
             self._waiting = None
+            if quiet.cancelled_caught:
+                await self._probe()
+                continue
             for frames in received:
                 if len(frames) != 3 or len(frames[1]) != 8:
                     m.decode_errors.inc()
@@ -136,6 +161,23 @@ class ZmqIngest:
                 await self._flush(out)
             else:  # nothing to hand on (duplicates, malformed): still let others run
                 await trio.lowlevel.checkpoint()
+
+    async def _probe(self) -> None:
+        """After silence: replay what follows the last batch (module doc)."""
+        seqr = self.sequencer
+        if seqr.next_seq is None:
+            return  # nothing received yet: the first live batch will tell
+        self.metrics.silence_probes.inc()
+        self.over_limit = False
+        items = await self._replay(seqr.next_seq)
+        if not items:
+            return  # failed (nothing known to be missing) or nothing new
+        log.info(
+            "KV rank %d: %d batch(es) published during a silence, replayed", self.source.rank, len(items)
+        )
+        out = await self._apply(seqr.on_probe(items), [])
+        if out:
+            await self._flush(out)
 
     async def _flush(self, out: list[EventBatch]) -> None:
         if self._in_batches:

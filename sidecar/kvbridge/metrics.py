@@ -46,6 +46,12 @@ LAG = Gauge(
     ["rank"],
     registry=REGISTRY,
 )
+SILENCE_PROBES = Counter(
+    _P + "silence_probes",
+    "Replays asked of a silent ZMQ source for what follows its last batch.",
+    ["rank"],
+    registry=REGISTRY,
+)
 HEARTBEATS = Counter(
     _P + "heartbeats",
     "Idle heartbeats: the last batch published again after --kv-heartbeat seconds without one.",
@@ -87,6 +93,7 @@ class RankMetrics:
         "rank",
         "replay_requests",
         "replays_active",
+        "silence_probes",
     )
 
     def __init__(self, rank: int) -> None:
@@ -103,6 +110,7 @@ class RankMetrics:
         self.replay_requests = REPLAY_REQUESTS.labels(r)
         self.replays_active = REPLAYS_ACTIVE.labels(r)
         self.heartbeats = HEARTBEATS.labels(r)
+        self.silence_probes = SILENCE_PROBES.labels(r)
 
     def replay(self, outcome: str) -> None:
         REPLAYS.labels(self.rank, outcome).inc()

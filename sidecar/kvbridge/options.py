@@ -87,6 +87,20 @@ _OPTIONS = [
         help="Drop a replay whose peer reads nothing for this many seconds.",
     ),
     option(
+        "--kv-zmq-heartbeat",
+        type=click.FloatRange(min=0),
+        default=2.0,
+        show_default=True,
+        help="ZMQ sources: heartbeat interval on the subscription; silent for 3 intervals: reconnect (0: off).",
+    ),
+    option(
+        "--kv-silence-probe",
+        type=click.FloatRange(min=0),
+        default=10.0,
+        show_default=True,
+        help="ZMQ sources: after this many seconds without a batch, ask the engine's replay for newer ones (0: never).",
+    ),
+    option(
         "--kv-heartbeat",
         type=click.FloatRange(min=0),
         default=5.0,
@@ -155,6 +169,8 @@ def kv_bridge_config(values: Mapping[str, Any], **overrides: Any) -> KvBridgeCon
         topic=values["kv_topic"],
         hwm=values["kv_hwm"],
         heartbeat=values.get("kv_heartbeat", 5.0),
+        zmq_heartbeat=values.get("kv_zmq_heartbeat", 2.0),
+        silence_probe=values.get("kv_silence_probe", 10.0),
         advertise_host=values.get("kv_advertise_host") or None,
         replay_limits=ReplayLimits(
             hwm=values.get("kv_replay_hwm", ReplayLimits.hwm),

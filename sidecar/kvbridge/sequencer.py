@@ -200,6 +200,23 @@ class ZmqSequencer(Generic[P]):
             nxt = seq + 1
         return out
 
+    def on_probe(self, items: list[tuple[int, P]]) -> list[Action[P]]:
+        """The batches a replay asked from ``next_seq`` returned (a probe after silence, not
+        a gap): published in order like replayed ones — a hole in them clears — without
+        moving ``last_live``, so the same batches arriving live later are duplicates."""
+        if self._replay_start is not None:
+            raise RuntimeError("on_probe while a replay is outstanding")
+        out: list[Action[P]] = []
+        for seq, payload in items:
+            nxt = self.next_seq
+            if nxt is not None and seq < nxt:
+                out.append(Duplicate(seq))
+                continue
+            if nxt is not None and seq > nxt:
+                self._gate.clear(out, Reason.HISTORY_LOST)
+            self._emit(out, seq, payload)
+        return out
+
 
 @dataclass(frozen=True, slots=True)
 class Resubscribe:

@@ -72,6 +72,12 @@ class KvBridgeConfig:
     backoff_initial: float = 0.05
     backoff_max: float = 5.0
     discovery_timeout: float = 30.0
+    #: ZMQ sources: heartbeat (ZMTP PING) interval on the SUB connection; a connection silent
+    #: for 3 intervals is dropped and made again (0: off; ingest_zmq.py).
+    zmq_heartbeat: float = 2.0
+    #: ZMQ sources: after this many seconds without a batch, ask the engine's replay for what
+    #: follows the last one (0: never; ingest_zmq.py).
+    silence_probe: float = 10.0
     #: Seconds without a batch before the last one is published again (0: never; publisher.py;
     #: ``run --kv-heartbeat`` defaults to 5).
     heartbeat: float = 0.0
@@ -272,6 +278,8 @@ async def run_kv_bridge(
                         hwm=config.hwm,
                         replay_timeout=config.replay_timeout,
                         limits=config.ingest_limits,
+                        zmq_heartbeat=config.zmq_heartbeat,
+                        silence_probe=config.silence_probe,
                     )
                     source_ep: str | None = src.endpoint
                 else:

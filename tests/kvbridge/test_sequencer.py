@@ -60,6 +60,15 @@ def test_gap_is_replayed_and_later_live_copies_dropped() -> None:
     assert feed(s, 5, 6) == [Duplicate(5), E(6, "p6")]
 
 
+def test_probe_after_silence_publishes_what_was_missed_and_later_live_copies_are_dropped() -> None:
+    s: ZmqSequencer[str] = ZmqSequencer(can_replay=True)
+    feed(s, 0, 1)
+    assert s.on_probe([]) == []  # nothing new
+    assert s.on_probe(items(2, 3)) == [E(2, "p2"), E(3, "p3")]
+    assert feed(s, 2, 3, 4) == [Duplicate(2), Duplicate(3), E(4, "p4")]  # not a publisher restart
+    assert s.on_probe(items(7, 8)) == [Clear(HL), E(7, "p7"), E(8, "p8")]  # 5 and 6 expired upstream
+
+
 def test_replay_starting_later_than_asked_is_lost_history() -> None:
     s: ZmqSequencer[str] = ZmqSequencer(can_replay=True)
     feed(s, 0, 1)
