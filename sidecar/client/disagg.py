@@ -26,7 +26,15 @@ One flow:
 Failover: a candidate that is unreachable, cannot ``describe``, is unusable, or rejects the
 request with a retryable code (for the prefill also: fails retryably, since a prefill shows
 the caller nothing) is skipped for the next in its list; every skip is listed in
-``FlowEnd.attempts``. Once the decode has relayed an event there is no failover. A decode
+``FlowEnd.attempts``. Once the decode has relayed an event there is no failover. In client
+bootstrap both sides run at once, so the side to replace is judged from how *both* ended,
+never from which failure arrived first (:func:`_bootstrap_blame`): a prefill that failed
+retryably, or a decode that could not get the KV from a prefill that did not complete, means
+the next prefill (with the same decode); in context-first, a decode whose KV transfer failed
+(the prefill's engine died after the handoff) runs the prefill again on the next prefill. A
+hung peer is bounded too: a hung engine's sidecar
+fails the stream (HTTP/2 PING liveness, docs/LIFECYCLE.md), a hung sidecar stops answering
+WebSocket PINGs (``keepalive_interval`` / ``keepalive_timeout``) and counts as lost. A decode
 retried after a context-first prefill reuses that prefill's KV session (it was not pulled);
 a client-bootstrap retry runs both sides again with a new room.
 
@@ -349,6 +357,25 @@ class DisaggClient:
     async def _context_first(
         self, flow: DisaggFlow, prefill: Worker, decode: Worker, prefills: _Candidates, decodes: _Candidates
     ) -> FlowEnd:
+        """Prefill, then decode with its KV session. A decode that cannot get the KV (its
+        transfer failed: the prefill's engine died after the handoff) goes back to the next
+        prefill with the same decode; other decode failures go to the next decode."""
+        while True:
+            prefill, kv = await self._prefill_first(flow, prefill, decode, prefills)
+            no_kv = await self._decode_with(flow, prefill, decode, kv, decodes)
+            if no_kv is None:
+                return flow._ended("completed", None)
+            decode = no_kv
+            picked = await prefills.next(_pairs_with_decode(decode))
+            if picked is None:
+                raise flow._exhausted("prefill")
+            prefill = picked[0]
+
+    async def _prefill_first(
+        self, flow: DisaggFlow, prefill: Worker, decode: Worker, prefills: _Candidates
+    ) -> tuple[Worker, bytes]:
+        """Context-first prefill on ``prefill`` or the next that pairs with ``decode``: the
+        worker that completed it and its KV session bytes."""
         pre_request = prefill_request(flow.request)
         while True:
             side = Side("prefill", prefill)
@@ -358,15 +385,21 @@ class DisaggClient:
                 side.problem = "completed without a prefillReady KV session"
             flow.attempts.append(side.attempt())
             if side.ok:
-                break
+                assert kv is not None
+                flow.prefill_url, flow.kv_session_bytes = prefill.url, kv
+                return prefill, kv
             if not side.skippable:
                 raise flow._side_over(side)
             picked = await prefills.next(_pairs_with_decode(decode))
             if picked is None:
                 raise flow._exhausted("prefill")
             prefill = picked[0]
-        assert kv is not None
-        flow.prefill_url, flow.kv_session_bytes = prefill.url, kv
+
+    async def _decode_with(
+        self, flow: DisaggFlow, prefill: Worker, decode: Worker, kv: bytes, decodes: _Candidates
+    ) -> Worker | None:
+        """Decode ``kv`` on ``decode`` or the next one. ``None``: completed; a worker: that
+        decode could not get the KV from ``prefill`` (run the prefill again elsewhere)."""
         relayed = 0  # events relayed by earlier decodes (one that relayed has pulled the session)
         last: Side | None = None  # the decode attempt in progress
         try:
@@ -377,7 +410,11 @@ class DisaggClient:
                 relayed += side.events
                 flow.attempts.append(side.attempt())
                 if side.ok:
-                    return flow._ended("completed", None)
+                    return None
+                if not side.events and _transfer_failed(side):
+                    flow.decode_url = flow.prefill_url = flow.kv_session_bytes = None
+                    await _release_kv_session(prefill, kv)  # if its engine still holds it
+                    return decode
                 if not side.skippable:
                     raise flow._side_over(side)
                 flow.decode_url = None
@@ -416,12 +453,13 @@ class DisaggClient:
                 return flow._ended("completed", None)
             assert first is not None
             new: Pairing | None
-            if dec.events == 0 and first is pre and pre.skippable:
+            blame = _bootstrap_blame(pre, dec)
+            if blame == "prefill":
                 picked = await prefills.next(_pairs_with_decode(decode))
                 if picked is None:
                     raise flow._exhausted("prefill")
                 prefill, new = picked
-            elif first is dec and dec.skippable:
+            elif blame == "decode":
                 picked = await decodes.next(_pairs_with_prefill(prefill))
                 if picked is None:
                     raise flow._exhausted("decode")
@@ -467,6 +505,43 @@ class DisaggClient:
         return pre, dec, failed[0] if failed else None
 
 
+#: A decode that fails with one of these could not get the KV from its prefill: the prefill
+#: (its engine, its bootstrap endpoint) is the side to replace.
+_TRANSFER_FAILURES = frozenset({"ERROR_CODE_KV_TRANSFER_FAILED", "ERROR_CODE_KV_SESSION_NOT_FOUND"})
+
+
+def _transfer_failed(side: Side) -> bool:
+    end = side.end
+    return (
+        side.lost is None
+        and end is not None
+        and end.error is not None
+        and end.error.code in _TRANSFER_FAILURES
+    )
+
+
+def _bootstrap_blame(pre: Side, dec: Side) -> Role | None:
+    """Which side of a failed client-bootstrap attempt to replace, from how *both* ended —
+    never from which failure arrived first (both start at once: a dead prefill's refusal and
+    the decode's failed transfer from it race). ``None``: no failover (the decode relayed
+    events, or neither failure is one another worker may fix).
+
+    - the prefill failed retryably (refused, failed, connection lost): the prefill;
+    - the decode failed to get the KV (``KV_TRANSFER_FAILED``, ``KV_SESSION_NOT_FOUND``) while
+      the prefill did not complete: the prefill — the decode could not reach it;
+    - otherwise a decode that failed in a way another decode may fix: the decode.
+    """
+    if dec.events:
+        return None
+    if not pre.ok and pre.skippable:
+        return "prefill"
+    if _transfer_failed(dec) and not pre.ok:
+        return "prefill"
+    if dec.skippable:
+        return "decode"
+    return None
+
+
 def _pairs_with_decode(decode: Worker) -> Callable[[Worker], Pairing]:
     return lambda prefill: check_pair(prefill.card, decode.card)
 
@@ -493,12 +568,16 @@ async def open_disagg(
     stream_buffer: int = 64,
     auth_token: str | None = None,
     ssl_context: Any = None,
+    keepalive_interval: float = 10.0,
+    keepalive_timeout: float = 10.0,
 ) -> AsyncIterator[DisaggClient]:
     """A P/D coordinator over ``prefill`` and ``decode`` sidecar URLs (each list tried in order).
 
     ``describe_timeout`` bounds connecting to and describing one sidecar (then it counts as
     unreachable); ``cancel_timeout`` bounds waiting for a cancelled stream's ``end``;
-    ``settle_timeout`` bounds waiting for a bootstrap prefill's end after its decode completed.
+    ``settle_timeout`` bounds waiting for a bootstrap prefill's end after its decode completed;
+    ``keepalive_interval`` / ``keepalive_timeout``: each sidecar connection's PING liveness
+    (``open_sidecar``).
     Raises ``ValueError`` for an empty list or a malformed URL. Leaving the block closes the
     connections (leave the flows' blocks first).
     """
@@ -514,6 +593,8 @@ async def open_disagg(
         stream_buffer=stream_buffer,
         auth_token=auth_token,
         ssl_context=ssl_context,
+        keepalive_interval=keepalive_interval,
+        keepalive_timeout=keepalive_timeout,
     )
     try:
         async with trio.open_nursery() as nursery:

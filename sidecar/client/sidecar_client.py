@@ -216,6 +216,7 @@ class SidecarClient:
         self._lost: SidecarConnectionError | None = None
         #: The last ``protocol_error`` message the sidecar sent (it cannot be matched to a request).
         self.last_protocol_error: str | None = None
+        self._reader_idle = False  # the reader waits for a frame (nothing queued on our side)
 
     @property
     def cancel_timeout(self) -> float:
@@ -261,7 +262,9 @@ class SidecarClient:
         ends all streams and calls with ``SidecarConnectionError``)."""
         try:
             while True:
+                self._reader_idle = True
                 frame = await self._ws.get_message()
+                self._reader_idle = False
                 try:
                     msg = codec.decode_server_frame(frame)
                 except codec.ProtocolError as err:
@@ -286,6 +289,29 @@ class SidecarClient:
             # closing): no ``end`` or result can arrive any more, so nothing may wait for one
             # (a stream leaving its block would otherwise wait its whole ``cancel_timeout``).
             self._connection_lost(None, "connection to sidecar closed by the client")
+
+    async def _keepalive(self, interval: float, timeout: float) -> None:
+        """WebSocket PINGs every ``interval`` while a stream or call is open; a PING without a
+        PONG within ``timeout`` while this client is not the one holding frames back (its
+        reader idle) means the sidecar or the path to it is gone: every stream and call ends
+        with ``SidecarConnectionError`` (a frozen sidecar never closes its connection)."""
+        while self._lost is None:
+            await trio.sleep(interval)
+            if not (self._streams or self._calls) or not self._reader_idle:
+                continue
+            try:
+                with trio.move_on_after(timeout):
+                    await self._ws.ping()
+                    continue
+            except ConnectionClosed:
+                return  # the reader reports it
+            if self._reader_idle and self._lost is None:
+                log.warning(
+                    "the sidecar did not answer a ping within %gs: connection considered lost", timeout
+                )
+                self._connection_lost(
+                    None, f"no answer to a ping within {timeout:g}s (sidecar hung or unreachable)"
+                )
 
     async def _dispatch(self, msg: wire.ServerMessage) -> None:
         if type(msg) is wire.Event:
@@ -390,6 +416,8 @@ async def open_sidecar(
     ssl_context: ssl.SSLContext | None = None,
     coalesce: bool = False,
     auth_token: str | None = None,
+    keepalive_interval: float = 10.0,
+    keepalive_timeout: float = 10.0,
 ) -> AsyncIterator[SidecarClient]:
     """Connect to a sidecar (``sidecar_url`` normalizes ``url``) and run the connection's reader.
 
@@ -397,7 +425,9 @@ async def open_sidecar(
     ``coalesce`` opts in to ``events`` frames (several events in one frame; the URL gets
     ``coalesce=1``); the client handles them transparently. ``auth_token`` is sent as
     ``Authorization: Bearer <token>`` (a sidecar run with ``--auth-token-file`` refuses the
-    handshake without it: ``SidecarConnectionError``).
+    handshake without it: ``SidecarConnectionError``). While a stream or call is open, a
+    WebSocket PING every ``keepalive_interval`` seconds (0: never) must be answered within
+    ``keepalive_timeout``, else the connection counts as lost (a hung sidecar or a dead path).
     Raises ``SidecarConnectionError`` if the connection cannot be opened. Leaving the block
     closes the connection (open streams see it as lost; leave their blocks first).
     """
@@ -426,6 +456,8 @@ async def open_sidecar(
             try:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(client._reader)
+                    if keepalive_interval > 0:
+                        nursery.start_soon(client._keepalive, keepalive_interval, keepalive_timeout)
                     try:
                         yield client
                     finally:

@@ -121,6 +121,15 @@ class Fake:
             await end("completed")
         elif b == "overloaded":
             await end("rejected", pb.ErrorCode.OVERLOADED, retryable=True)
+        elif b == "transfer-failed":  # a decode that could not get the KV from its prefill
+            await end("failed", pb.ErrorCode.KV_TRANSFER_FAILED, retryable=True)
+        elif b == "refuse-late":  # a prefill whose refusal comes after its decode's failure
+            with trio.move_on_after(0.5):
+                await cancelled.wait()
+            if cancelled.is_set():
+                await end("cancelled", pb.ErrorCode.CANCELLED, retryable=True)
+            else:
+                await end("rejected", pb.ErrorCode.INTERNAL, retryable=True)
         elif b == "invalid":
             await end("rejected", pb.ErrorCode.INVALID_ARGUMENT)
         elif b in ("hang", "hang-tokens"):
@@ -372,3 +381,42 @@ async def test_command_json_lines_and_exit_status() -> None:
             dead = closed_port_url()
             status = await run_disagg([dead], [d.url], "hello", out=out, err=err, handle_sigint=False)
             assert status == 1 and "unreachable" in err.getvalue() and "rejected:" in err.getvalue()
+
+
+async def test_context_first_decode_that_cannot_get_the_kv_reruns_the_prefill_elsewhere() -> None:
+    """The prefill completed, then its engine died: the decode's transfer fails. The flow runs
+    the prefill again on the next prefill, then the same decode (and asks the first prefill to
+    release the session, in case its engine still holds it)."""
+    with trio.fail_after(10):
+        async with fakes(
+            ("vllm", "prefill", "prefill"),
+            ("vllm", "prefill", "prefill"),
+            ("vllm", "decode", "transfer-failed,decode"),
+        ) as (p1, p2, d):
+            flow, events = await run_flow(urls(p1, p2), urls(d))
+    assert flow.check().outcome == "completed", flow.end
+    assert flow.prefill_url == p2.url + "/v1/ws" and len(events) == 4
+    assert [(a.role, a.url, a.result, a.code) for a in flow.end.attempts] == [
+        ("prefill", p1.url + "/v1/ws", "completed", None),
+        ("decode", d.url + "/v1/ws", "failed", "ERROR_CODE_KV_TRANSFER_FAILED"),
+        ("prefill", p2.url + "/v1/ws", "completed", None),
+        ("decode", d.url + "/v1/ws", "completed", None),
+    ]
+
+
+async def test_bootstrap_decode_failing_first_still_fails_over_to_the_next_prefill() -> None:
+    """The race from a busy machine: the first prefill is refusing, but the decode's failed
+    transfer from it arrives first. The next prefill serves (the decode was never at fault)."""
+    with trio.fail_after(10):
+        async with fakes(
+            ("sglang", "prefill", "refuse-late"),
+            ("sglang", "prefill", "prefill-echo"),
+            ("sglang", "decode", "transfer-failed,decode"),
+        ) as (p1, p2, d):
+            flow, _ = await run_flow(urls(p1, p2), urls(d))
+    assert flow.check().outcome == "completed", flow.end
+    assert flow.prefill_url == p2.url + "/v1/ws" and flow.decode_url == d.url + "/v1/ws"
+    assert [(a.role, a.result) for a in flow.end.attempts][:2] == [
+        ("prefill", "cancelled"),
+        ("decode", "failed"),
+    ]
