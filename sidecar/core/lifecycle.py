@@ -376,9 +376,10 @@ class StreamSupervisor:
             self._aborting.discard(request_id)
 
     async def _retry_abort_until_done(self, request_id: str, attempted: bool) -> None:
-        self.progress = EngineProgress()
-        #: Closed by the engine watch while the engine is lost (background Aborts wait).
-        self.engine_reachable = Gate()
+        """The retries of :meth:`_retry_abort`. While the engine is known to be lost
+        (``engine_reachable`` closed by the engine watch), they wait and the window does not
+        run: a frozen engine gets its Aborts when it runs again, however long it was gone.
+        (Their number is bounded: a lost engine admits no new stream.)"""
         deadline = trio.current_time() + self.config.abort_retry_window
         delay = 0.05
         while trio.current_time() < deadline:
