@@ -73,7 +73,7 @@ async def serve(
     """Run the sidecar until drained; ``task_status.started(dict of bound addresses)``."""
     async with (
         trio_asyncio.open_loop(),
-        open_engine_client(engine, keepalive=engine_keepalive(config)) as client,
+        open_engine_client(engine, keepalive=engine_keepalive(config), limits=config.engine_limits) as client,
     ):
         sidecar = Sidecar(client, config)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:

@@ -24,7 +24,7 @@ from sidecar.core.compat import require_known
 from sidecar.core.errors import DiscoveryError
 from sidecar.core.negotiation import negotiate
 from sidecar.openengine import pb
-from sidecar.openengine.errors import EngineStatusError
+from sidecar.openengine.errors import EngineMessageTooLarge, EngineStatusError
 
 __all__ = ["DiscoveryClient", "compare_cards", "discover", "fetch_loras"]
 
@@ -56,10 +56,11 @@ async def _kv_event_sources(client: DiscoveryClient) -> list[pb.KvEventSource] |
 
 
 async def fetch_loras(client: DiscoveryClient) -> list[pb.LoraAdapter] | None:
-    """``ListLoras``; ``None`` (unknown) when the engine answers a non-OK status."""
+    """``ListLoras``; ``None`` (unknown) when the engine answers a non-OK status or an answer
+    over the size bound (``--engine-max-answer-bytes``)."""
     try:
         resp = await client.list_loras()
-    except EngineStatusError as err:
+    except (EngineStatusError, EngineMessageTooLarge) as err:
         log.warning("ListLoras failed (%s); loaded adapters unknown", err)
         return None
     return list(resp.adapters)

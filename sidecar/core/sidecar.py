@@ -31,6 +31,7 @@ from sidecar.core.load import MalformedLoadInfo, attributes_dict, split_load_inf
 from sidecar.openengine import pb
 from sidecar.openengine.client import EngineClient, Keepalive
 from sidecar.openengine.errors import EngineClientError, EngineStatusError
+from sidecar.openengine.message_limits import EngineLimits, run_sized
 from sidecar.quoting import quote
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,9 @@ log = logging.getLogger(__name__)
 OUTCOME_DRAIN_DEADLINE = Outcome(CANCELLED, pb.ErrorCode.DRAINING, "drain deadline reached", retryable=True)
 OUTCOME_SHUTDOWN = Outcome(CANCELLED, pb.ErrorCode.CANCELLED, "the sidecar is shutting down", retryable=True)
 
-#: Attributes up to this size are converted on the event loop (a thread hop costs more).
-_INLINE_ATTRIBUTES = 4096
+#: A ``GetLoad`` answer up to this size is parsed, and attributes up to it converted, on the
+#: event loop (a thread hop costs more); larger ones in a worker thread.
+_INLINE_LOAD_BYTES = 4096
 
 
 @dataclass
@@ -76,6 +78,9 @@ class SidecarConfig:
     #: (``sidecar.core.engine_lane``; 0: no limit).
     client_engine_calls: int = 8
     client_engine_calls_per_connection: int = 4
+    #: Size bounds on what the engine sends (``--engine-max-event-bytes``,
+    #: ``--engine-max-answer-bytes``); the run command opens its engine client with them.
+    engine_limits: EngineLimits = field(default_factory=EngineLimits)
 
 
 def engine_keepalive(config: SidecarConfig) -> Keepalive | None:
@@ -437,10 +442,10 @@ class Sidecar:
         removed rather than left showing old numbers. A snapshot is also stale once older
         than ``load_stale_after`` (at least two intervals).
 
-        The answer is kept off the event loop's critical path: received as bytes, parsed
-        without its ``attributes``; those are converted in a worker thread when over 4 KiB
-        and dropped (``openengine_sidecar_load_attributes_dropped``) when over
-        ``load_attributes_max_bytes``.
+        The answer is kept off the event loop's critical path: received as bytes (at most
+        ``engine_limits.max_answer_bytes``), parsed without its ``attributes``; those are
+        converted (and a large answer parsed) in a worker thread when over 4 KiB, and dropped
+        (``openengine_sidecar_load_attributes_dropped``) when over ``load_attributes_max_bytes``.
         """
         cfg = self.config
         self.load.stale_after = max(self.load.stale_after, 2 * cfg.load_interval)
@@ -451,7 +456,7 @@ class Sidecar:
             try:
                 with trio.fail_after(cfg.call_timeout):
                     data = await self.engine.get_load_bytes(include_per_rank=True)
-                info, raw = split_load_info(data)
+                info, raw = await run_sized(split_load_info, data, inline_max=_INLINE_LOAD_BYTES)
                 attributes: dict[str, Any] | None = None
                 if raw is not None and len(raw) > cfg.load_attributes_max_bytes:
                     metrics.LOAD_ATTRIBUTES_DROPPED.inc()
@@ -463,10 +468,8 @@ class Sidecar:
                             len(raw),
                             cfg.load_attributes_max_bytes,
                         )
-                elif raw is not None and len(raw) > _INLINE_ATTRIBUTES:
-                    attributes = await trio.to_thread.run_sync(attributes_dict, raw, abandon_on_cancel=True)
-                else:
-                    attributes = attributes_dict(raw)
+                elif raw is not None:
+                    attributes = await run_sized(attributes_dict, raw, inline_max=_INLINE_LOAD_BYTES)
                 self.load.record(info, now=trio.current_time(), attributes=attributes)
                 _export_load(info)
             except (EngineClientError, trio.TooSlowError, MalformedLoadInfo) as err:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from sidecar.mock import tokenizer as tok
 from sidecar.mock.generator import Finish, Step, TokenScore
 from sidecar.openengine import pb
+from sidecar.openengine.rawfields import length_delimited
 from sidecar.openengine.server import PreEncoded
 
 _REASONS = {
@@ -119,3 +120,15 @@ def prefill_ready_event(
     return pb.GenerateResponse(
         request_id=request_id, prefill_ready=pb.PrefillReady(kv_session=session), usage=use
     )
+
+
+#: The highest field number protobuf allows: unknown to every message (fault ``oversized-answer``).
+PAD_FIELD = (1 << 29) - 1
+
+
+def padded(message: object, size: int) -> PreEncoded:
+    """``message`` serialized with an unknown field that makes it about ``size`` bytes long
+    (a parser skips it; a bound on the message's size does not)."""
+    data = bytes(message)  # type: ignore[call-overload]
+    filler = max(0, size - len(data) - 10)
+    return PreEncoded(data + length_delimited(PAD_FIELD, bytes(filler)))

@@ -22,6 +22,9 @@ Engine-wide faults (``--fault``):
 ``kv-publisher-restart[=N]`` KV events: the publisher restarts at sequence 0 after N batches.
 ``kv-history-lost[=N]``    KV events: batch N (default 1) is lost with all older history.
 ``kv-tagged-arrays``       KV events (ZMQ): events as tagged arrays instead of maps.
+``oversized-answer[=RPC[:BYTES]]`` every answer of the ``Control`` call RPC (default
+                           ``GetLoad``; ``Drain``: its first event) carries an unknown field
+                           that makes it BYTES long (default 8 MiB); repeatable, one RPC each.
 =========================  ================================================================
 
 Hangs (runtime switches, no ``--fault``; ``sidecar/mock/hangs.py``): ``mock-engine`` toggles a
@@ -81,6 +84,8 @@ sent on the stream (over all outputs):
 ``no-stop-match``              STOP finishes carry no ``stop_match``
 ``event-after-error``          one more TokenOutput after a terminal ``EngineError``
 ``ignore-max-tokens``          every output generates one token more than ``max_tokens``
+``oversized-event[=BYTES]``    right after the first token event, one more ``TokenOutput``
+                               whose text is BYTES long (default 8 MiB)
 =============================  ============================================================
 """
 
@@ -108,7 +113,15 @@ STREAM_FLAGS = frozenset(
 )
 STREAM_FAULTS = (
     frozenset(
-        {"close-without-terminal", "error-after", "crash-after", "stall", "no-usage", "token-after-finish"}
+        {
+            "close-without-terminal",
+            "error-after",
+            "crash-after",
+            "stall",
+            "no-usage",
+            "token-after-finish",
+            "oversized-event",
+        }
     )
     | STREAM_FLAGS
 )
@@ -155,12 +168,29 @@ ENGINE_FAULTS = (
             "kv-publisher-restart",
             "kv-history-lost",
             "kv-tagged-arrays",
+            "oversized-answer",
         }
     )
     | ENGINE_FLAGS
 )
 ALL_FAULTS = STREAM_FAULTS | ENGINE_FAULTS
 _ROLES = ("aggregated", "prefill", "decode")
+#: Size of an ``oversized-*`` message when the fault gives none: over the sidecar's default
+#: bounds (4 MiB, gRPC's own default).
+OVERSIZED_BYTES = 8 * 1024 * 1024
+#: The ``Control`` calls ``oversized-answer`` can name.
+CONTROL_RPCS = (
+    "GetServerInfo",
+    "GetModelInfo",
+    "GetLoad",
+    "Health",
+    "Abort",
+    "Drain",
+    "LoadLora",
+    "UnloadLora",
+    "ListLoras",
+    "GetKvEventSources",
+)
 
 
 @dataclass(frozen=True)
@@ -173,6 +203,7 @@ class StreamFaults:
     stall: int | None = None
     no_usage: bool = False
     token_after_finish: bool = False
+    oversized_event: int | None = None  # bytes of the extra event's text
     flags: frozenset[str] = frozenset()  # names from STREAM_FLAGS
 
     @property
@@ -206,11 +237,16 @@ class Faults:
     kv_publisher_restart: int | None = None
     kv_history_lost: int | None = None
     kv_tagged_arrays: bool = False
+    oversized_answers: tuple[tuple[str, int], ...] = ()  # (Control RPC, bytes)
     flags: frozenset[str] = frozenset()  # names from ENGINE_FLAGS
     stream: StreamFaults = field(default_factory=StreamFaults)
 
     def has(self, name: str) -> bool:
         return name in self.flags
+
+    def oversized(self, rpc: str) -> int | None:
+        """Bytes every answer of ``rpc`` is padded to (fault ``oversized-answer``), or None."""
+        return dict(self.oversized_answers).get(rpc)
 
     def kv_options(self) -> dict[str, object]:
         """The KV-event faults, for the KV publishers (absent when off)."""
@@ -285,8 +321,19 @@ def _stream_fault(name: str, value: str | None, kw: dict[str, object]) -> None:
         if value is not None:
             raise FaultSpecError(f"fault {name} takes no value")
         kw[name.replace("-", "_")] = True
+    elif name == "oversized-event":
+        kw["oversized_event"] = _int(name, value, OVERSIZED_BYTES, minimum=1)
     else:
         kw[name.replace("-", "_")] = _int(name, value, 1)
+
+
+def _oversized_answer(value: str | None) -> tuple[str, int]:
+    rpc, _, size = (value or "GetLoad").partition(":")
+    if rpc not in CONTROL_RPCS:
+        raise FaultSpecError(
+            f"fault oversized-answer: expected one of {', '.join(CONTROL_RPCS)}, got {rpc!r}"
+        )
+    return rpc, _int("oversized-answer", size or None, OVERSIZED_BYTES, minimum=1)
 
 
 def parse_faults(specs: Iterable[str], *, role: str = "aggregated") -> Faults:
@@ -328,6 +375,9 @@ def parse_faults(specs: Iterable[str], *, role: str = "aggregated") -> Faults:
             kw["kv_publisher_restart"] = _int(name, value, 1)
         elif name == "kv-history-lost":
             kw["kv_history_lost"] = _int(name, value, 1)
+        elif name == "oversized-answer":
+            previous: tuple[tuple[str, int], ...] = kw.get("oversized_answers", ())  # type: ignore[assignment]
+            kw["oversized_answers"] = (*previous, _oversized_answer(value))
         else:  # flags
             if value is not None:
                 raise FaultSpecError(f"fault {name} takes no value")

@@ -162,6 +162,9 @@ class _Stream:
             raise _Ended(DROPPED)
         if f.stall is not None and n >= f.stall:
             await _pause(self.req, -1.0)
+        if f.oversized_event is not None and n == 1:
+            big = gen.Step(gen.working_word(0), "x" * f.oversized_event, None, None)
+            await self.send(ev.token_event(self.req.id, 0, big))
 
 
 async def run_request(engine: MockEngine, req: Request, send: Send) -> None:

@@ -9,11 +9,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import betterproto2
 
 from sidecar.mock import drain as drain_mod
+from sidecar.mock import events as ev
 from sidecar.mock.engine import MockEngine
 from sidecar.mock.kvevents import UnknownDpRank
 from sidecar.mock.lora import LoraError
@@ -23,6 +24,7 @@ from sidecar.openengine import pb
 from sidecar.openengine.server import RpcStatusError, request_metadata
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
 
 #: GetLoad metadata asking for ``attributes.cancel_seen_us``: {request id: µs since the epoch when
 #: the engine first saw its client leave or an Abort naming it} (benchmarks: cancel -> engine).
@@ -77,46 +79,56 @@ async def _late_failure(
 
 
 class ControlService(pb.ControlBase):
-    """``Control``: discovery, health, load, Abort, Drain, LoRA and KV-event sources."""
+    """``Control``: discovery, health, load, Abort, Drain, LoRA and KV-event sources.
+
+    Fault ``oversized-answer``: the named call's answers are padded (:meth:`_answer`)."""
 
     def __init__(self, engine: MockEngine) -> None:
         self.engine = engine
 
+    def _answer(self, rpc: str, reply: R) -> R:
+        """``reply``, or its padded bytes under ``oversized-answer=RPC`` (sent as they are)."""
+        size = self.engine.config.faults.oversized(rpc)
+        return reply if size is None else cast(R, ev.padded(reply, size))
+
     async def get_server_info(self, message: pb.GetServerInfoRequest) -> pb.ServerInfo:
         await self.engine.hangs.control()
-        return self.engine.server_info()
+        return self._answer("GetServerInfo", self.engine.server_info())
 
     async def get_model_info(self, message: pb.GetModelInfoRequest) -> pb.ModelInfo:
         await self.engine.hangs.control()
         try:
-            return self.engine.model_info(message.model)
+            return self._answer("GetModelInfo", self.engine.model_info(message.model))
         except Rejection as rej:
             raise _status(rej) from None
 
     async def get_load(self, message: pb.GetLoadRequest) -> pb.LoadInfo:
         await self.engine.hangs.control()
         report = REPORT_CANCEL_TIMES in request_metadata()
-        return self.engine.load(message.include_per_rank, report_cancel_times=report)
+        load = self.engine.load(message.include_per_rank, report_cancel_times=report)
+        return self._answer("GetLoad", load)
 
     async def health(self, message: pb.HealthRequest) -> pb.HealthResponse:
         await self.engine.hangs.control()
         if self.engine.slow_health_left > 0:  # fault slow-health
             self.engine.slow_health_left -= 1
             await asyncio.sleep(SLOW_HEALTH_DELAY)
-        return self.engine.health(message)
+        return self._answer("Health", self.engine.health(message))
 
     async def abort(self, message: pb.AbortRequest) -> pb.AbortResponse:
         await self.engine.hangs.control()
         try:
-            return self.engine.abort(message)
+            return self._answer("Abort", self.engine.abort(message))
         except Rejection as rej:
             raise _status(rej) from None
 
     async def drain(self, message: pb.DrainRequest) -> AsyncIterator[pb.DrainResponse]:
         await self.engine.hangs.control()
+        first = True
         try:
             async for response in drain_mod.drain(self.engine, message):
-                yield response
+                yield self._answer("Drain", response) if first else response
+                first = False
         except Rejection as rej:
             raise _status(rej) from None
 
@@ -126,7 +138,8 @@ class ControlService(pb.ControlBase):
             adapter, already = self.engine.loras.load(message.adapter)
         except LoraError as err:
             raise _status(err) from None
-        return pb.LoadLoraResponse(adapter=adapter.to_pb(), already_loaded=already)
+        reply = pb.LoadLoraResponse(adapter=adapter.to_pb(), already_loaded=already)
+        return self._answer("LoadLora", reply)
 
     async def unload_lora(self, message: pb.UnloadLoraRequest) -> pb.UnloadLoraResponse:
         await self.engine.hangs.control()
@@ -134,13 +147,14 @@ class ControlService(pb.ControlBase):
             adapter = self.engine.loras.unload(message.lora_name)
         except LoraError as err:
             raise _status(err) from None
-        return pb.UnloadLoraResponse(adapter=adapter.to_pb())
+        return self._answer("UnloadLora", pb.UnloadLoraResponse(adapter=adapter.to_pb()))
 
     async def list_loras(self, message: pb.ListLorasRequest) -> pb.ListLorasResponse:
         await self.engine.hangs.control()
         if not self.engine.loras.enabled:
             raise RpcStatusError("FAILED_PRECONDITION", "LoRA is disabled on this engine")
-        return pb.ListLorasResponse(adapters=[a.to_pb() for a in self.engine.loras.adapters()])
+        reply = pb.ListLorasResponse(adapters=[a.to_pb() for a in self.engine.loras.adapters()])
+        return self._answer("ListLoras", reply)
 
     async def get_kv_event_sources(
         self, message: pb.GetKvEventSourcesRequest
@@ -160,7 +174,7 @@ class ControlService(pb.ControlBase):
             for source in reply.sources:
                 if source.endpoint_addr is not None:
                     source.endpoint_addr.host = "0.0.0.0"
-        return reply
+        return self._answer("GetKvEventSources", reply)
 
     async def subscribe_kv_events(
         self, message: pb.SubscribeKvEventsRequest

@@ -1,5 +1,5 @@
-"""``run`` flags of the limits a client meets (docs/SECURITY.md); each also reads
-``OPENENGINE_SIDECAR_<FLAG>``.
+"""``run`` flags of the limits a client meets, and of what the engine may send
+(docs/SECURITY.md); each also reads ``OPENENGINE_SIDECAR_<FLAG>``.
 
 Usage::
 
@@ -22,10 +22,12 @@ from sidecar.cli_options import option
 from sidecar.core.lifecycle import LifecycleConfig
 from sidecar.core.sidecar import SidecarConfig
 from sidecar.north.ws_server import WsConfig
+from sidecar.openengine.message_limits import EngineLimits
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 _COUNT = click.IntRange(min=0)
+_ENGINE_BYTES = click.IntRange(min=64 * 1024)
 
 _OPTIONS = [
     option(
@@ -92,6 +94,20 @@ _OPTIONS = [
         show_default=True,
         help="Longest requestId a client may give (echoed in every event).",
     ),
+    option(
+        "--engine-max-event-bytes",
+        type=_ENGINE_BYTES,
+        default=EngineLimits.max_event_bytes,
+        show_default=True,
+        help="Largest Generate event the engine may send (more: the stream fails, refused unread).",
+    ),
+    option(
+        "--engine-max-answer-bytes",
+        type=_ENGINE_BYTES,
+        default=EngineLimits.max_answer_bytes,
+        show_default=True,
+        help="Largest answer to a control call (Health, GetLoad, ...) or Drain event the engine may send.",
+    ),
 ]
 
 
@@ -117,4 +133,9 @@ def apply_limit_options(values: Mapping[str, Any], ws: WsConfig, config: Sidecar
     config.client_engine_calls_per_connection = values["client_engine_calls_per_connection"]
     config.lifecycle = dataclasses.replace(
         config.lifecycle, max_request_id_length=values["max_request_id_length"]
+    )
+    config.engine_limits = dataclasses.replace(
+        config.engine_limits,
+        max_event_bytes=values["engine_max_event_bytes"],
+        max_answer_bytes=values["engine_max_answer_bytes"],
     )

@@ -14,6 +14,9 @@ asyncio coroutine that trio awaits once (docs/design/stack-notes.md: wrapping ``
 stream). Cancelling the trio caller cancels that coroutine, whose ``async with`` resets the
 HTTP/2 stream, so the engine sees the cancellation at once.
 
+Sizes: every message received is bounded by its kind's limit before it is read, and a large
+one is decoded in a worker thread (:mod:`sidecar.openengine.message_limits`).
+
 Errors: only the typed errors of :mod:`sidecar.openengine.errors` escape. Deadlines follow
 trio's effective deadline (sent to the engine as ``grpc-timeout``); when it passes, the
 caller's cancel scope fires as usual.
@@ -27,6 +30,7 @@ import asyncio
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any, Generic, Protocol, TypeVar
 
 import grpclib.exceptions
@@ -51,6 +55,7 @@ from sidecar.openengine.errors import (
     EngineUnavailable,
 )
 from sidecar.openengine.fastdecode import decode_token_event
+from sidecar.openengine.message_limits import EngineLimits, run_sized
 from sidecar.openengine.rawfields import nested_field_bytes
 from sidecar.openengine.stream_rules import DrainRules, GenerateRules, KvEventRules
 
@@ -220,9 +225,12 @@ class EngineClient:
         max_generate_channels: int = 256,
         idle_channel_close: float = 5.0,
         keepalive: Keepalive | None = None,
+        limits: EngineLimits | None = None,
     ) -> None:
         self.address = address
         self._keepalive = keepalive
+        self.limits = limits or EngineLimits()
+        self._decode_limiter = trio.CapacityLimiter(self.limits.decode_threads)
         self._stream_buffer = stream_buffer
         self._control: Channel | None = None
         self._kv: Channel | None = None
@@ -303,6 +311,7 @@ class EngineClient:
     async def _unary(self, route: str, request: Any, reply_type: type[T], metadata: MetadataLike | None) -> T:
         timeout = _timeout()
         md = _metadata(metadata)
+        limits, decode_large = self.limits, self._decode_large
 
         async def call() -> T:
             channel = self._control_channel()
@@ -310,7 +319,9 @@ class EngineClient:
                 route, Cardinality.UNARY_UNARY, type(request), reply_type, timeout=timeout, metadata=md
             ) as stream:
                 await stream.send_message(request, end=True)
-                reply = await stream.recv_message()
+                reply = await recv_bounded(
+                    stream, limits.max_answer_bytes, decode_large, limits.decode_inline_bytes
+                )
             if reply is None:
                 raise EngineProtocolError(f"{route}: engine closed the call without a reply")
             return reply
@@ -385,6 +396,19 @@ class EngineClient:
             _CONTROL + "GetKvEventSources", request, pb.GetKvEventSourcesResponse, metadata
         )
 
+    async def _decode_large(self, decode: Callable[[bytes, Any], Any], data: bytes, message_type: Any) -> Any:
+        """(asyncio side) Decode a large message in a worker thread (``message_limits``)."""
+        run = partial(run_sized, inline_max=0, limiter=self._decode_limiter)
+        return await trio_asyncio.trio_as_aio(run)(lambda raw: decode(raw, message_type), data)
+
+    def _bound(self, route: str) -> int:
+        """The size limit of one message of ``route``."""
+        if route == _INFERENCE + "Generate":
+            return self.limits.max_event_bytes
+        if route == _CONTROL + "SubscribeKvEvents":
+            return self.limits.max_kv_batch_bytes
+        return self.limits.max_answer_bytes
+
     # -- server streams -------------------------------------------------------------------
 
     @asynccontextmanager
@@ -405,6 +429,8 @@ class EngineClient:
         timeout = _timeout()
         md = _metadata(metadata)
         what = route.rsplit("/", 1)[-1]
+        bound = self._bound(route) if max_message_bytes is None else max_message_bytes
+        decode_large, inline_max = self._decode_large, self.limits.decode_inline_bytes
 
         async def pump() -> None:
             # asyncio side: the whole call lives here (docs/design/stack-notes.md). Messages go to trio with
@@ -417,13 +443,7 @@ class EngineClient:
                     route, Cardinality.UNARY_STREAM, type(request), reply_type, timeout=timeout, metadata=md
                 ) as st:
                     await st.send_message(wire_request, end=True)
-                    while (
-                        msg := await (
-                            st.recv_message()
-                            if max_message_bytes is None
-                            else recv_bounded(st, max_message_bytes)
-                        )
-                    ) is not None:
+                    while (msg := await recv_bounded(st, bound, decode_large, inline_max)) is not None:
                         try:
                             send.send_nowait(msg)
                         except trio.WouldBlock:
@@ -494,8 +514,9 @@ class EngineClient:
     ) -> Any:
         """Open a KV-event subscription (``pb.SubscribeKvEventsResponse`` items) on its own channel.
 
-        With ``max_message_bytes``, a larger message fails the stream with
-        :class:`~sidecar.openengine.bounded_recv.EngineMessageTooLarge` before it is read.
+        A message larger than ``max_message_bytes`` (default: the client's
+        ``limits.max_kv_batch_bytes``) fails the stream with
+        :class:`~sidecar.openengine.errors.EngineMessageTooLarge` before it is read.
         """
         return self._server_stream(
             _CONTROL + "SubscribeKvEvents",
@@ -519,6 +540,7 @@ async def open_engine_client(
     max_generate_channels: int = 256,
     idle_channel_close: float = 5.0,
     keepalive: Keepalive | None = None,
+    limits: EngineLimits | None = None,
 ) -> AsyncIterator[EngineClient]:
     """An :class:`EngineClient` for ``address`` (``host:port``, ``http://host:port``, ``unix:///path``).
 
@@ -528,6 +550,7 @@ async def open_engine_client(
     (below the engine's own advertised cap); ``max_generate_channels`` bounds the pool;
     extra channels are closed ``idle_channel_close`` seconds after their last stream ended;
     ``keepalive`` checks every connection's liveness with HTTP/2 PINGs (channel_pool module doc).
+    ``limits`` bounds every message received (:class:`EngineLimits`).
     """
     addr = address if isinstance(address, EngineAddress) else parse_engine_address(address)
     client = EngineClient(
@@ -538,6 +561,7 @@ async def open_engine_client(
         max_generate_channels=max_generate_channels,
         idle_channel_close=idle_channel_close,
         keepalive=keepalive,
+        limits=limits,
     )
     try:
         yield client

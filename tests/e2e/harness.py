@@ -19,6 +19,7 @@ import trio
 from sidecar.childproc import ENGINE_READY, SIDECAR_READY, ChildProcess, loopback_run_args, spawn_child
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
+from sidecar.openengine.message_limits import EngineLimits
 
 __all__ = ["ENGINE_READY", "SIDECAR_READY", "Proc"]  # re-exported for the tests
 
@@ -102,8 +103,9 @@ async def open_together(*managers: AbstractAsyncContextManager[Any]) -> AsyncIte
 
 
 async def engine_counters(address: str) -> dict[str, Any]:
-    """The simulated engine's ground-truth counters (``GetLoad.attributes``). Needs ``aio_loop``."""
-    async with open_engine_client(address) as client:
+    """The simulated engine's ground-truth counters (``GetLoad.attributes``), whatever the
+    answer's size (fault ``oversized-answer``). Needs ``aio_loop``."""
+    async with open_engine_client(address, limits=EngineLimits(max_answer_bytes=1 << 30)) as client:
         with trio.fail_after(5):
             load = await client.get_load()
     assert load.attributes is not None

@@ -64,9 +64,27 @@ def test_fault_defaults_and_values() -> None:
     assert parse_faults([]) == Faults() and not Faults().stream.any
 
 
+def test_oversized_message_faults() -> None:
+    f = parse_faults(["oversized-answer", "oversized-answer=ListLoras:70000", "oversized-event"])
+    assert (f.oversized("GetLoad"), f.oversized("ListLoras"), f.oversized("Health")) == (8 << 20, 70000, None)
+    assert f.stream.oversized_event == 8 << 20
+    assert parse_stream_faults(["oversized-event=100"]).oversized_event == 100
+
+
 @pytest.mark.parametrize(
     "spec",
-    ["nonsense", "stall=x", "stall=-1", "no-usage=1", "wrong-role=boss", "slow-start=-2", "unhealthy=x"],
+    [
+        "nonsense",
+        "stall=x",
+        "stall=-1",
+        "no-usage=1",
+        "wrong-role=boss",
+        "slow-start=-2",
+        "unhealthy=x",
+        "oversized-answer=Generate",
+        "oversized-answer=GetLoad:0",
+        "oversized-event=0",
+    ],
 )
 def test_bad_fault_specs(spec: str) -> None:
     with pytest.raises(FaultSpecError):

@@ -12,6 +12,7 @@ from sidecar.core.lifecycle import LifecycleConfig
 from sidecar.core.sidecar import SidecarConfig
 from sidecar.north.limit_options import apply_limit_options
 from sidecar.north.ws_server import WsConfig
+from sidecar.openengine.message_limits import EngineLimits
 from sidecar.run_command import run
 
 
@@ -33,6 +34,8 @@ def test_defaults_are_the_configs_defaults() -> None:
     assert ws.max_streams_per_peer == 500  # half of --max-streams
     assert (config.client_engine_calls, config.client_engine_calls_per_connection) == (8, 4)
     assert config.lifecycle.max_request_id_length == 256 and config.lifecycle.max_streams == 1000
+    assert config.engine_limits == EngineLimits()
+    assert (config.engine_limits.max_event_bytes, config.engine_limits.max_answer_bytes) == (4 << 20, 4 << 20)
 
 
 def test_values_reach_their_configs() -> None:
@@ -46,11 +49,14 @@ def test_values_reach_their_configs() -> None:
         "--client-engine-calls=1",
         "--client-engine-calls-per-connection=1",
         "--max-request-id-length=40",
+        "--engine-max-event-bytes=65536",
+        "--engine-max-answer-bytes=1048576",
     )
     assert (ws.max_connections, ws.max_connections_per_peer, ws.max_streams_per_peer) == (10, 0, 0)
     assert (ws.max_calls_per_connection, ws.max_pending_bytes, ws.handshake_timeout) == (3, 4096, 2.5)
     assert (config.client_engine_calls, config.client_engine_calls_per_connection) == (1, 1)
     assert config.lifecycle.max_request_id_length == 40
+    assert (config.engine_limits.max_event_bytes, config.engine_limits.max_answer_bytes) == (65536, 1 << 20)
 
 
 def test_environment_variables_are_read(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -70,6 +76,8 @@ def test_environment_variables_are_read(monkeypatch: pytest.MonkeyPatch) -> None
         "--handshake-timeout=0",
         "--max-request-id-length=0",
         "--client-engine-calls=x",
+        "--engine-max-event-bytes=1024",
+        "--engine-max-answer-bytes=4MiB",
     ],
 )
 def test_bad_values_are_refused_at_parse_time(flag: str) -> None:

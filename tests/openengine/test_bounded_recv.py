@@ -1,18 +1,22 @@
-"""A server-stream message over the caller's bound is refused from its length prefix, before
-it is read (sidecar/openengine/bounded_recv.py), against a real grpclib server; the stream
-before it is delivered, and the same stream unbounded is unaffected."""
+"""Every message from the engine over its bound is refused from its length prefix, before it
+is read (sidecar/openengine/bounded_recv.py), against a real grpclib server: unary answers,
+Generate and Drain events, KV batches. What came before is delivered, the connection serves the
+next call, and a message at the bound passes."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import pytest
 import trio
 
 from sidecar.openengine import pb
 from sidecar.openengine.client import EngineClient, open_engine_client
-from sidecar.openengine.errors import EngineMessageTooLarge
-from tests.openengine.fake_engine import RunningServer
+from sidecar.openengine.errors import EngineClientError, EngineMessageTooLarge
+from sidecar.openengine.message_limits import EngineLimits
+from sidecar.openengine.rawfields import length_delimited
+from tests.openengine.fake_engine import RunningServer, tokens
 
 
 @pytest.fixture
@@ -57,3 +61,118 @@ async def test_a_message_over_the_bound_fails_the_stream_unread(
             pb.SubscribeKvEventsRequest(), max_message_bytes=len(bytes(big))
         ) as kv:
             assert [r.batch.sequence_number async for r in kv] == [0, 1, 2]  # the bound is inclusive
+
+
+# --- every kind of message is bounded (the engine is trusted for content, not sizes) ---------
+
+KIB = 1024
+SMALL = EngineLimits(max_event_bytes=64 * KIB, max_answer_bytes=64 * KIB, max_kv_batch_bytes=64 * KIB)
+#: unary call -> (client method, answer)
+UNARY: dict[str, tuple[Callable[[EngineClient], Awaitable[Any]], Any]] = {
+    "GetServerInfo": (lambda c: c.get_server_info(), pb.ServerInfo(engine_name="fake")),
+    "GetModelInfo": (lambda c: c.get_model_info("m"), pb.ModelInfo(model_id="m")),
+    "GetLoad": (lambda c: c.get_load(), pb.LoadInfo(instance_id="i")),
+    "GetLoad (bytes)": (lambda c: c.get_load_bytes(), pb.LoadInfo(instance_id="i")),
+    "Health": (lambda c: c.health(), pb.HealthResponse(state=pb.HealthState.READY)),
+    "Abort": (lambda c: c.abort(pb.AbortRequest(request_id="r")), pb.AbortResponse()),
+    "LoadLora": (lambda c: c.load_lora(pb.LoadLoraRequest()), pb.LoadLoraResponse()),
+    "UnloadLora": (lambda c: c.unload_lora(pb.UnloadLoraRequest()), pb.UnloadLoraResponse()),
+    "ListLoras": (lambda c: c.list_loras(), pb.ListLorasResponse()),
+    "GetKvEventSources": (lambda c: c.get_kv_event_sources(), pb.GetKvEventSourcesResponse()),
+}
+
+
+def padded(message: Any, size: int) -> bytes:
+    """``message`` serialized with an unknown field making it exactly ``size`` bytes (the
+    fake engine's codec sends bytes as they are)."""
+    data = bytes(message)
+    pad = size - len(data) - 1 - 3  # key (field 15, 1 byte) + a 3-byte length
+    return data + length_delimited(15, bytes(pad))
+
+
+@pytest.fixture
+async def small_client(server: RunningServer) -> AsyncIterator[EngineClient]:
+    async with open_engine_client(server.address, limits=SMALL) as c:
+        yield c
+
+
+@pytest.mark.parametrize("call", list(UNARY))
+async def test_every_unary_answer_over_the_bound_fails_typed_and_harms_nothing(
+    server: RunningServer, small_client: EngineClient, call: str
+) -> None:
+    method, answer = UNARY[call]
+    rpc = call.split(" ")[0]
+    server.engine.unary[rpc] = lambda r: padded(answer, 64 * KIB + 1)
+    with trio.fail_after(10), pytest.raises(EngineMessageTooLarge) as too_large:
+        await method(small_client)
+    assert (too_large.value.size, too_large.value.limit) == (64 * KIB + 1, 64 * KIB)
+    assert isinstance(too_large.value, EngineClientError) and too_large.value.retryable
+    # the bound is inclusive, and the control connection serves the next call as before
+    server.engine.unary[rpc] = lambda r: padded(answer, 64 * KIB)
+    with trio.fail_after(10):
+        await method(small_client)
+        assert (await small_client.health()).state == pb.HealthState.READY
+
+
+async def test_a_generate_event_over_the_bound_fails_the_stream_after_what_came_before(
+    server: RunningServer, small_client: EngineClient
+) -> None:
+    first, *rest = tokens("r", 3)
+    big = pb.GenerateResponse(request_id="r", token=pb.TokenOutput(output_index=0, text="x" * 70_000))
+    server.engine.streams["Generate"] = lambda r, md: [first, big, *rest]
+    got = []
+    with trio.fail_after(10), pytest.raises(EngineMessageTooLarge) as too_large:
+        async with small_client.generate(pb.GenerateRequest(request_id="r")) as stream:
+            async for ev in stream:
+                got.append(ev)
+    assert got == [first] and too_large.value.size == len(bytes(big))
+    assert not stream.terminal_seen  # the caller aborts, as after any engine failure
+    # a well-formed stream on the same pool goes on
+    server.engine.streams["Generate"] = lambda r, md: tokens("s", 3)
+    with trio.fail_after(10):
+        async with small_client.generate(pb.GenerateRequest(request_id="s")) as stream:
+            assert len([ev async for ev in stream]) == 4
+
+
+async def test_a_drain_event_over_the_bound_fails_the_stream(
+    server: RunningServer, small_client: EngineClient
+) -> None:
+    started = pb.DrainResponse(state=pb.DrainState.STARTED)
+    server.engine.streams["Drain"] = lambda r, md: [padded(started, 64 * KIB + 1)]
+    with trio.fail_after(10), pytest.raises(EngineMessageTooLarge):
+        async with small_client.drain(pb.DrainRequest()) as stream:
+            async for _ in stream:
+                pass
+    server.engine.streams["Drain"] = lambda r, md: [started, pb.DrainResponse(state=pb.DrainState.COMPLETE)]
+    with trio.fail_after(10):
+        async with small_client.drain(pb.DrainRequest()) as stream:
+            assert len([ev async for ev in stream]) == 2
+
+
+async def test_kv_batches_without_a_bound_of_the_caller_get_the_clients(
+    server: RunningServer, small_client: EngineClient
+) -> None:
+    big = batch(1, 100_000)  # ~ 300 KB, over SMALL's 64 KiB
+    server.engine.streams["SubscribeKvEvents"] = lambda r, md: [batch(0, 4), big]
+    got = []
+    with trio.fail_after(10), pytest.raises(EngineMessageTooLarge):
+        async with small_client.subscribe_kv_events(pb.SubscribeKvEventsRequest()) as kv:
+            async for r in kv:
+                got.append(r.batch.sequence_number)
+    assert got == [0]
+
+
+async def test_large_messages_decode_alike_in_a_worker_thread(
+    server: RunningServer, client: EngineClient
+) -> None:
+    """Over ``decode_inline_bytes`` a message is decoded off the event loop: the same result."""
+    inline = client.limits.decode_inline_bytes
+    big = batch(1, 100_000)
+    info = pb.LoadInfo(instance_id="x" * (2 * inline))
+    assert len(bytes(big)) > inline and len(bytes(info)) > inline
+    server.engine.streams["SubscribeKvEvents"] = lambda r, md: [batch(0, 4), big, batch(2, 4)]
+    server.engine.unary["GetLoad"] = lambda r: info
+    with trio.fail_after(20):
+        async with client.subscribe_kv_events(pb.SubscribeKvEventsRequest()) as kv:
+            assert [r async for r in kv] == [batch(0, 4), big, batch(2, 4)]
+        assert await client.get_load() == info

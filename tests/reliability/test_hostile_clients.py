@@ -7,6 +7,7 @@ client's generate completed within 5 s)."""
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -14,15 +15,15 @@ import pytest
 import trio
 
 from sidecar.north import wire
-from tests.reliability.attacks import FORGED_ID, LOG_MARKER, SCENARIOS, STALLED, Run, run_scenario
+from tests.reliability.attacks import FORGED_ID, LOG_MARKER, SCENARIOS, STALLED, Run, Scenario, run_scenario
 
 pytestmark = pytest.mark.slow
 
 
-async def attacked(name: str, tmp_path: Path) -> Run:
-    """Run scenario ``name`` and assert the bar."""
+async def attacked(name: str, tmp_path: Path, scenarios: Mapping[str, Scenario] = SCENARIOS) -> Run:
+    """Run scenario ``name`` (of ``scenarios``) and assert the bar."""
     with trio.fail_after(120):
-        run = await run_scenario(SCENARIOS[name], tmp_path)
+        run = await run_scenario(scenarios[name], tmp_path)
     print(run.verdict.line())
     assert run.verdict.within_bar, run.verdict.line()
     assert not [line for line in run.lines if "Traceback" in line], "a traceback in the sidecar's log"
