@@ -112,31 +112,36 @@ class Nats:
 
 
 @asynccontextmanager
-async def etcd_server(tmp_path: Path, name: str = "etcd") -> AsyncIterator[Etcd]:
-    """``etcd`` (Debian's ``etcd-server``) on two free loopback ports, data under ``tmp_path``."""
+async def etcd_server(
+    tmp_path: Path, name: str = "etcd", *, wrap: Callable[[list[str]], list[str]] | None = None
+) -> AsyncIterator[Etcd]:
+    """``etcd`` (Debian's ``etcd-server``) on two free loopback ports, data under ``tmp_path``;
+    ``wrap`` rewrites its command line (e.g. to run it in a network namespace)."""
     etcd = require_tool("etcd")
     client, peer = free_port(), free_port()
     url, peer_url = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
     data = tmp_path / f"{name}-data"
 
     def argv() -> list[str]:
-        return [
-            etcd,
-            "--name",
-            "default",
-            "--data-dir",
-            str(data),
-            "--listen-client-urls",
-            url,
-            "--advertise-client-urls",
-            url,
-            "--listen-peer-urls",
-            peer_url,
-            "--initial-advertise-peer-urls",
-            peer_url,
-            "--initial-cluster",
-            f"default={peer_url}",
-        ]
+        return (wrap or list)(
+            [
+                etcd,
+                "--name",
+                "default",
+                "--data-dir",
+                str(data),
+                "--listen-client-urls",
+                url,
+                "--advertise-client-urls",
+                url,
+                "--listen-peer-urls",
+                peer_url,
+                "--initial-advertise-peer-urls",
+                peer_url,
+                "--initial-cluster",
+                f"default={peer_url}",
+            ]
+        )
 
     async with trio.open_nursery() as nursery:
         server = PlaneServer(nursery, name, argv, ETCD_READY, data)
