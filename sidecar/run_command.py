@@ -107,8 +107,15 @@ async def serve(
                     "http": f"http{secure}://{_hostport(http_host, http_port)}",
                 }
                 log.info("serving %s and %s", bound["ws"], bound["http"])
-                # Dynamo worker plane (optional): registered last, left first on SIGTERM
-                plane = await start_dynamo_plane(root, sidecar, dynamo, kv_topic=kv.topic if kv else "")
+                # Dynamo worker plane (optional): registered last, left first on SIGTERM. Its
+                # start can wait long for etcd/NATS: a signal meanwhile stops the sidecar.
+                started, plane = await _unless_signalled(
+                    signals,
+                    partial(start_dynamo_plane, root, sidecar, dynamo, kv_topic=kv.topic if kv else ""),
+                )
+                if not started:
+                    root.cancel_scope.cancel()
+                    return
                 if plane is not None:
                     bound["dynamo"] = plane.path
                 if ready_file is not None:
@@ -121,6 +128,23 @@ async def serve(
                 await north.close_gracefully()
                 root.cancel_scope.cancel()
     log.info("exited cleanly")
+
+
+async def _unless_signalled(signals: Any, start: Any) -> tuple[bool, Any]:
+    """``(True, await start())``, or ``(False, None)`` when SIGTERM/SIGINT comes first (the
+    start is cancelled; logged)."""
+    result: list[Any] = []
+    async with trio.open_nursery() as nursery:
+
+        async def watch() -> None:
+            signum = await signals.__anext__()
+            log.warning("%s while starting: stopping", signal.Signals(signum).name)
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(watch)
+        result.append(await start())
+        nursery.cancel_scope.cancel()
+    return (True, result[0]) if result else (False, None)
 
 
 async def _start_kv_bridge(root: trio.Nursery, sidecar: Sidecar, kv: KvBridgeConfig | None) -> None:

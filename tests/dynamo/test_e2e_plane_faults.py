@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -213,10 +214,13 @@ async def test_etcd_restarted_under_load(aio_loop: Any, tmp_path: Path, keep_dat
             assert_no_leak(await wait_engine_idle(engine.address, timeout=40))
 
 
-async def test_etcd_unreachable_at_startup_waits_with_progress(aio_loop: Any, tmp_path: Path) -> None:
+async def test_etcd_unreachable_at_startup_waits_with_progress_and_honours_signals(
+    aio_loop: Any, tmp_path: Path
+) -> None:
     """No etcd yet: the sidecar waits for it without entering Dynamo's runtime (whose own wait
     blocks the event loop), logs its progress, answers its probes meanwhile (``/ready`` 503
-    naming etcd), and registers as soon as etcd appears."""
+    naming etcd), stops at once on SIGTERM, and — started again — registers as soon as etcd
+    appears."""
     tok = tokenizer_dir(tmp_path)
     with trio.fail_after(120):
         async with (
@@ -233,6 +237,15 @@ async def test_etcd_unreachable_at_startup_waits_with_progress(aio_loop: Any, tm
                 "--dynamo",
                 *dep.sidecar_args(),
             ]
+            async with spawn(argv, env=dep.env()) as proc:
+                await proc.wait_for_line(re.compile(r"Dynamo: waiting for etcd .*connection refused"), 30)
+                t0 = trio.current_time()
+                proc.signal(signal.SIGTERM)
+                assert await proc.wait(timeout=10) == 0
+                stopped = trio.current_time() - t0
+                assert stopped < 5, stopped
+                assert any("SIGTERM while starting: stopping" in line for line in proc.lines)
+                print(f"etcd unreachable at startup: SIGTERM stopped the sidecar in {stopped:.2f}s")
             async with (
                 spawn(argv, env=dep.env()) as proc,
                 httpx.AsyncClient(base_url=f"http://{http}") as probe,
