@@ -263,3 +263,41 @@ async def test_etcd_unreachable_at_startup_waits_with_progress_and_honours_signa
                     out = Outcomes()
                     await frontend_request(fe.url, "first", out)
                     assert out.completed == 1, out
+
+
+async def test_nats_restarted_under_load_on_the_nats_request_plane(aio_loop: Any, tmp_path: Path) -> None:
+    """NATS (request and event plane) restarted under load: requests in flight complete or
+    fail retryably, requests after it are served again, the WebSocket plane never notices, no
+    runtime is rebuilt (the worker stays registered), the engine leaks nothing."""
+    tok = tokenizer_dir(tmp_path)
+    with trio.fail_after(240):
+        async with (
+            deployment(tmp_path, "nats", "nats") as dep,
+            mock_engine(
+                tmp_path, "--flavor", "vllm", "--tokenizer-source", str(tok), "--token-delay-ms", "20"
+            ) as engine,
+            dynamo_sidecar(dep, engine.address) as sc,
+            frontend(dep) as fe,
+        ):
+            assert dep.nats is not None
+            await fe.wait_models(MODEL)
+            dyn, wsout = Outcomes(), Outcomes()
+            stop = trio.Event()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(keep_loading, fe, sc.ws, stop, dyn, wsout)
+                await dyn.wait_completed(4)
+                await dep.nats.server.restart(down_for=1.0)
+                back = trio.current_time()
+                before = dyn.completed
+                await dyn.wait_completed(before + 4, timeout=60)
+                served_again = trio.current_time() - back
+                stop.set()
+            print(
+                f"NATS request plane restarted: served again {served_again:.1f}s after NATS was back; "
+                f"frontend load: {dyn.summary()}; WebSocket load: {wsout.summary()}"
+            )
+            assert not dyn.wrong and not wsout.wrong and not wsout.retryable, (dyn.wrong, wsout.wrong)
+            m = await scrape(sc.http)
+            assert m.value("openengine_sidecar_dynamo_runtime_restarts_total") == 0
+            assert m.value("openengine_sidecar_dynamo_routable") == 1
+            assert_no_leak(await wait_engine_idle(engine.address, timeout=40))
