@@ -11,11 +11,13 @@ class IngestLimits:
     """CLI: ``--kv-max-batch-bytes``, ``--kv-engine-replay-max-batches``,
     ``--kv-engine-replay-max-bytes``, ``--kv-engine-replay-deadline``."""
 
-    max_batch_bytes: int = 16 * 1024 * 1024
+    max_batch_bytes: int = 4 * 1024 * 1024
     """Largest engine batch: a ZMQ payload frame (libzmq ``MAXMSGSIZE``: a larger message
     disconnects the engine's socket, which reconnects; the batch is lost and resynced) or a
     ``SubscribeKvEvents`` message (checked from its length prefix, before it is read: the batch
-    is skipped and resynced)."""
+    is skipped and resynced). 4 MiB: ~8 times a step storing a 128k-token prompt at once;
+    betterproto2 needs 4-6 s of CPU for it (in a worker thread), 16 MiB took 16-25 s and
+    still stalled relayed tokens by 0.5 s (docs/SECURITY.md "KV bridge")."""
     replay_max_batches: int = 100_000
     """Batches one engine replay may bring; past it the replay is abandoned (history lost)."""
     replay_max_bytes: int = 256 * 1024 * 1024

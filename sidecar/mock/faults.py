@@ -22,6 +22,9 @@ Engine-wide faults (``--fault``):
 ``kv-publisher-restart[=N]`` KV events: the publisher restarts at sequence 0 after N batches.
 ``kv-history-lost[=N]``    KV events: batch N (default 1) is lost with all older history.
 ``kv-tagged-arrays``       KV events (ZMQ): events as tagged arrays instead of maps.
+``kv-large-batch[=BYTES]`` KV events (gRPC): the first batch each rank sends live carries
+                           about BYTES (default 3 MB) more of synthetic ``BlockStored``
+                           events (seconds of decoding for a betterproto2 client).
 ``oversized-answer[=RPC[:BYTES]]`` every answer of the ``Control`` call RPC (default
                            ``GetLoad``; ``Drain``: its first event) carries an unknown field
                            that makes it BYTES long (default 8 MiB); repeatable, one RPC each.
@@ -93,6 +96,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+
+from sidecar.mock.kvevents_wire import LARGE_BATCH_BYTES
 
 
 class FaultSpecError(ValueError):
@@ -168,6 +173,7 @@ ENGINE_FAULTS = (
             "kv-publisher-restart",
             "kv-history-lost",
             "kv-tagged-arrays",
+            "kv-large-batch",
             "oversized-answer",
         }
     )
@@ -237,6 +243,7 @@ class Faults:
     kv_publisher_restart: int | None = None
     kv_history_lost: int | None = None
     kv_tagged_arrays: bool = False
+    kv_large_batch: int | None = None  # bytes
     oversized_answers: tuple[tuple[str, int], ...] = ()  # (Control RPC, bytes)
     flags: frozenset[str] = frozenset()  # names from ENGINE_FLAGS
     stream: StreamFaults = field(default_factory=StreamFaults)
@@ -259,6 +266,8 @@ class Faults:
             out["kv_history_lost"] = self.kv_history_lost
         if self.kv_tagged_arrays:
             out["kv_tagged_arrays"] = True
+        if self.kv_large_batch is not None:
+            out["kv_large_batch"] = self.kv_large_batch
         if self.has("kv-wrong-rank"):
             out["kv_wrong_rank"] = True
         if self.has("kv-replay-skip"):
@@ -375,6 +384,8 @@ def parse_faults(specs: Iterable[str], *, role: str = "aggregated") -> Faults:
             kw["kv_publisher_restart"] = _int(name, value, 1)
         elif name == "kv-history-lost":
             kw["kv_history_lost"] = _int(name, value, 1)
+        elif name == "kv-large-batch":
+            kw["kv_large_batch"] = _int(name, value, LARGE_BATCH_BYTES, minimum=1)
         elif name == "oversized-answer":
             previous: tuple[tuple[str, int], ...] = kw.get("oversized_answers", ())  # type: ignore[assignment]
             kw["oversized_answers"] = (*previous, _oversized_answer(value))

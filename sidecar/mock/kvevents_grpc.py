@@ -57,14 +57,20 @@ from types import TracebackType
 
 from sidecar.mock.kvcache import AllBlocksCleared, KvCache, KvEventRecord
 from sidecar.mock.kvevents import UnknownDpRank
-from sidecar.mock.kvevents_wire import KvFaults, KvSequencer, ReplayBuffer, batch_to_pb
+from sidecar.mock.kvevents_wire import KvFaults, KvSequencer, ReplayBuffer, batch_to_pb, large_batch_filler
 from sidecar.openengine import pb
+from sidecar.openengine.rawfields import length_delimited
+from sidecar.openengine.server import PreEncoded
 
 __all__ = ["GrpcKvEvents", "KvSubscription"]
 
 logger = logging.getLogger(__name__)
 
-_Item = pb.SubscribeKvEventsResponse | None  # None = end of stream
+_Item = pb.SubscribeKvEventsResponse | PreEncoded | None  # None = end of stream; PreEncoded: a batch
+
+
+def _terminal(item: _Item) -> bool:
+    return item is None or (isinstance(item, pb.SubscribeKvEventsResponse) and item.error is not None)
 
 
 def _error(code: pb.ErrorCode, message: str, *, retryable: bool) -> pb.SubscribeKvEventsResponse:
@@ -95,10 +101,10 @@ class KvSubscription:
             return
         self._queue.append(item)
         self._wakeup.set()
-        if item is None or item.error is not None:
+        if _terminal(item):
             self._done = True
 
-    def _offer(self, batch: pb.KvEventBatch) -> None:
+    def _offer(self, batch: pb.KvEventBatch, filler: bytes = b"") -> None:
         if self._done:
             return
         if len(self._queue) >= self._max_queue:
@@ -112,13 +118,16 @@ class KvSubscription:
             )
             self._source._unregister(self)
             return
-        self._put(pb.SubscribeKvEventsResponse(batch=batch))
+        if filler:  # fault kv-large-batch: more events inside the batch's bytes (batch = field 1)
+            self._put(PreEncoded(length_delimited(1, bytes(batch) + filler)))
+        else:
+            self._put(pb.SubscribeKvEventsResponse(batch=batch))
 
     # ---- consumer side
     def __aiter__(self) -> KvSubscription:
         return self
 
-    async def __anext__(self) -> pb.SubscribeKvEventsResponse:
+    async def __anext__(self) -> pb.SubscribeKvEventsResponse | PreEncoded:
         while not self._queue:
             if self._closed:
                 raise StopAsyncIteration
@@ -129,7 +138,7 @@ class KvSubscription:
             self._closed = True
             self._source._unregister(self)
             raise StopAsyncIteration
-        if item.error is not None:
+        if _terminal(item):
             self._queue.clear()
             self._queue.append(None)
         return item
@@ -175,6 +184,9 @@ class GrpcKvEvents:
         self.faults = faults or KvFaults()
         self._ranks = {r: _RankState(buffer_steps, self.faults) for r in self.ranks}
         self._subs: list[KvSubscription] = []
+        large = self.faults.large_batch
+        self._filler = large_batch_filler(large) if large else b""
+        self._filled: set[int] = set()  # ranks whose first live batch carried the filler
 
     def attach_cache(self, cache: KvCache) -> None:
         """Let snapshots of ``cache.dp_rank`` read ``cache``'s contents."""
@@ -206,9 +218,11 @@ class GrpcKvEvents:
         if not decision.send_live:
             logger.warning("KV events rank %d: fault drops batch %d from live streams", dp_rank, decision.seq)
             return decision.seq
+        filler = self._filler if dp_rank not in self._filled else b""
         for sub in list(self._subs):
             if dp_rank in sub.ranks:
-                sub._offer(batch)
+                sub._offer(batch, filler)
+                self._filled.add(dp_rank)
         return decision.seq
 
     # ---- subscriptions

@@ -182,6 +182,26 @@ def batch_to_pb(seq: int, ts_ns: int, dp_rank: int, events: Iterable[KvEventReco
     )
 
 
+#: Default size of the ``kv-large-batch`` filler: about 3 s of betterproto2 decoding.
+LARGE_BATCH_BYTES = 3_000_000
+#: First synthetic block hash of the filler (far from the mock's real hashes).
+_FILLER_HASH = 0xF111_0000_0000_0000
+
+
+def large_batch_filler(size: int, block_size: int = 16) -> bytes:
+    """About ``size`` bytes of ``KvEventBatch.events`` fields (fault ``kv-large-batch``): one
+    ``BlockStored`` of a chain of synthetic blocks, appended inside a batch's bytes (repeated
+    fields concatenate; a message field given twice would not merge in every parser)."""
+    blocks = max(1, size // 51)  # ~19 bytes of hash and ~32 of token ids per block
+    stored = BlockStored(
+        block_hashes=tuple(_FILLER_HASH + i for i in range(blocks)),
+        parent_block_hash=None,
+        token_ids=tuple(i % 16_000 + 100 for i in range(blocks * block_size)),
+        block_size=block_size,
+    )
+    return bytes(pb.KvEventBatch(events=[event_to_pb(stored)]))
+
+
 # --------------------------------------------------------------------------- faults
 
 
@@ -200,6 +220,9 @@ class KvFaults:
     * ``kv-wrong-rank`` (``wrong_rank``): batches report DP rank + 1.
     * ``kv-replay-skip`` (``replay_skip``): a ZMQ replay or a gRPC resume from S
       starts at S + 1.
+    * ``kv-large-batch[=BYTES]`` (``large_batch``, default :data:`LARGE_BATCH_BYTES`; gRPC
+      only): the first batch each rank sends live carries about BYTES more of synthetic
+      ``BlockStored`` events (:func:`large_batch_filler`, built once); replays do not.
     """
 
     gap_at: int | None = None
@@ -208,6 +231,7 @@ class KvFaults:
     tagged_arrays: bool = False
     wrong_rank: bool = False
     replay_skip: bool = False
+    large_batch: int | None = None
 
     NAMES = (
         "kv-gap",
@@ -216,6 +240,7 @@ class KvFaults:
         "kv-tagged-arrays",
         "kv-wrong-rank",
         "kv-replay-skip",
+        "kv-large-batch",
     )
     _FLAGS = {
         "kv-tagged-arrays": "tagged_arrays",
@@ -233,7 +258,12 @@ class KvFaults:
         """What the ``kv-replay-skip`` fault adds to a replay / resume start."""
         return 1 if self.replay_skip else 0
 
-    DEFAULTS = {"kv-gap": 1, "kv-publisher-restart": 1, "kv-history-lost": 1}
+    DEFAULTS = {
+        "kv-gap": 1,
+        "kv-publisher-restart": 1,
+        "kv-history-lost": 1,
+        "kv-large-batch": LARGE_BATCH_BYTES,
+    }
 
     @classmethod
     def from_options(cls, faults: Mapping[str, str | None] | Iterable[tuple[str, str | None]]) -> KvFaults:
@@ -255,7 +285,11 @@ class KvFaults:
             n = cls.DEFAULTS[name] if value in (None, "") else int(value)  # type: ignore[arg-type]
             if n < 0:
                 raise ValueError(f"{name} needs a non-negative batch number")
-            attr = {"kv-gap": "gap_at", "kv-publisher-restart": "restart_at"}.get(name, "history_lost_at")
+            attr = {
+                "kv-gap": "gap_at",
+                "kv-publisher-restart": "restart_at",
+                "kv-large-batch": "large_batch",
+            }.get(name, "history_lost_at")
             values[attr] = n
         return cls(**values)
 
@@ -279,6 +313,7 @@ class KvFaults:
             tagged_arrays=tagged_arrays or bool(options.get("kv_tagged_arrays")),
             wrong_rank=bool(options.get("kv_wrong_rank")),
             replay_skip=bool(options.get("kv_replay_skip")),
+            large_batch=_at("kv_large_batch", LARGE_BATCH_BYTES),
         )
 
 

@@ -40,7 +40,7 @@ class EngineLimits:
     default gRPC client fits)."""
     max_answer_bytes: int = 4 * MIB
     """Largest answer of a unary ``Control`` call and largest ``Drain`` event."""
-    max_kv_batch_bytes: int = 16 * MIB
+    max_kv_batch_bytes: int = 4 * MIB
     """Largest ``SubscribeKvEvents`` message when the caller gives no bound of its own."""
     decode_inline_bytes: int = 16 * 1024
     """Messages up to this size are decoded on the event loop (~16 ms at most), larger ones

@@ -97,6 +97,28 @@ async def test_live_batches_match_ground_truth(aio_loop: Any) -> None:
         assert source.subscribers == 0
 
 
+async def test_large_batch_fault_fills_the_first_live_batch_only(aio_loop: Any) -> None:
+    """``kv-large-batch``: the first batch sent live carries the filler inside its own bytes
+    (its number, rank and events kept); later ones and replays do not."""
+    source, [cache], gt = setup(faults=KvFaults(large_batch=100_000))
+    with trio.fail_after(10):
+        async with trio_asyncio.aio_as_trio(source.subscribe(pb.SubscribeKvEventsRequest())) as sub:
+            cache.allocate(list(range(8)))
+            cache.allocate(list(range(100, 108)))
+            raw = await trio_asyncio.aio_as_trio(sub.__anext__)()
+            assert 90_000 < len(bytes(raw)) < 110_000  # about the size asked
+            first, second = pb.SubscribeKvEventsResponse.parse(bytes(raw)).batch, (await batches(sub, 1))[0]
+            assert first is not None and (first.sequence_number, second.sequence_number) == (0, 1)
+            (_, truth0), (_, truth1) = gt.batches(0)
+            assert decoded(first)[: len(truth0)] == [truth(e) for e in truth0]
+            [(kind, (filler, *_))] = decoded(first)[len(truth0) :]
+            assert kind == "block_stored" and len(filler) > 1_000
+            assert decoded(second) == [truth(e) for e in truth1]
+        replay = source.subscribe(pb.SubscribeKvEventsRequest(start_sequence_number=0))
+        assert decoded((await batches(replay, 1))[0]) == [truth(e) for e in truth0]
+        replay.close()
+
+
 async def test_snapshot_then_live(aio_loop: Any) -> None:
     source, [cache], _ = setup()
     with trio.fail_after(5):

@@ -10,6 +10,7 @@ from sidecar.mock import flavors
 from sidecar.mock.config import EngineConfig
 from sidecar.mock.counters import MAX_TRACKED_IDS, Counters
 from sidecar.mock.faults import Faults, FaultSpecError, StreamFaults, parse_faults, parse_stream_faults
+from sidecar.mock.kvevents_wire import KvFaults
 from sidecar.mock.lora import LoraError, LoraRegistry
 from sidecar.mock.scheduler import Overloaded, RankScheduler, pick_rank
 from sidecar.openengine import pb
@@ -69,6 +70,9 @@ def test_oversized_message_faults() -> None:
     assert (f.oversized("GetLoad"), f.oversized("ListLoras"), f.oversized("Health")) == (8 << 20, 70000, None)
     assert f.stream.oversized_event == 8 << 20
     assert parse_stream_faults(["oversized-event=100"]).oversized_event == 100
+    assert parse_faults(["kv-large-batch"]).kv_options() == {"kv_large_batch": 3_000_000}
+    assert KvFaults.from_kv_options({"kv_large_batch": 5000}).large_batch == 5000
+    assert KvFaults.from_options([("kv-large-batch", None)]).large_batch == 3_000_000
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,8 @@ next call, and a message at the bound passes."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -12,7 +14,7 @@ import pytest
 import trio
 
 from sidecar.openengine import pb
-from sidecar.openengine.client import EngineClient, open_engine_client
+from sidecar.openengine.client import EngineClient, _Codec, open_engine_client
 from sidecar.openengine.errors import EngineClientError, EngineMessageTooLarge
 from sidecar.openengine.message_limits import EngineLimits
 from sidecar.openengine.rawfields import length_delimited
@@ -163,9 +165,18 @@ async def test_kv_batches_without_a_bound_of_the_caller_get_the_clients(
 
 
 async def test_large_messages_decode_alike_in_a_worker_thread(
-    server: RunningServer, client: EngineClient
+    server: RunningServer, client: EngineClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Over ``decode_inline_bytes`` a message is decoded off the event loop: the same result."""
+    threads: list[tuple[int, bool]] = []  # (size, decoded on the main thread)
+    decode = _Codec.decode
+
+    def recording(self: _Codec, data: bytes, message_type: Any) -> Any:
+        if message_type in (pb.SubscribeKvEventsResponse, pb.LoadInfo):
+            threads.append((len(data), threading.current_thread() is threading.main_thread()))
+        return decode(self, data, message_type)
+
+    monkeypatch.setattr(_Codec, "decode", recording)
     inline = client.limits.decode_inline_bytes
     big = batch(1, 100_000)
     info = pb.LoadInfo(instance_id="x" * (2 * inline))
@@ -176,3 +187,47 @@ async def test_large_messages_decode_alike_in_a_worker_thread(
         async with client.subscribe_kv_events(pb.SubscribeKvEventsRequest()) as kv:
             assert [r async for r in kv] == [batch(0, 4), big, batch(2, 4)]
         assert await client.get_load() == info
+    assert [(size > inline, main) for size, main in threads] == [
+        (False, True),
+        (True, False),
+        (False, True),
+        (True, False),
+    ]
+
+
+async def test_large_decodes_run_at_most_decode_threads_at_once(
+    server: RunningServer, client: EngineClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four KV subscriptions receiving large batches at once: never more than
+    ``decode_threads`` (2) decodes run in worker threads together, and each stream keeps its
+    order."""
+    running, most = 0, 0
+    lock = threading.Lock()
+    decode = _Codec.decode
+
+    def slow(self: _Codec, data: bytes, message_type: Any) -> Any:
+        nonlocal running, most
+        if threading.current_thread() is threading.main_thread():
+            return decode(self, data, message_type)
+        with lock:
+            running += 1
+            most = max(most, running)
+        time.sleep(0.05)  # a worker thread's decode, long enough to overlap the others'
+        with lock:
+            running -= 1
+        return decode(self, data, message_type)
+
+    monkeypatch.setattr(_Codec, "decode", slow)
+    server.engine.streams["SubscribeKvEvents"] = lambda r, md: [batch(i, 20_000) for i in range(3)]
+    got: dict[int, list[int]] = {}
+
+    async def subscribe(n: int) -> None:
+        async with client.subscribe_kv_events(pb.SubscribeKvEventsRequest()) as kv:
+            got[n] = [r.batch.sequence_number async for r in kv]
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            for n in range(4):
+                nursery.start_soon(subscribe, n)
+    assert got == {n: [0, 1, 2] for n in range(4)}
+    assert most == client.limits.decode_threads == 2

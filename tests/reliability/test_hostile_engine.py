@@ -12,11 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import trio
 
 from sidecar.client.sidecar_client import SidecarCallError, open_sidecar
 from tests.e2e.harness import generate_request, mock_engine, sidecar
+from tests.kvbridge.consumer import Consumer
 from tests.reliability.engine_attacks import HUGE, OVERSIZED_ID, SCENARIOS
 from tests.reliability.helpers import scrape
 from tests.reliability.test_hostile_clients import attacked
@@ -65,3 +67,44 @@ async def test_an_oversized_list_loras_answer_is_a_typed_call_error(aio_loop: An
             assert stream.end.outcome == "completed"
             await _completes(sc.ws)
             assert (await scrape(sc.http)).value("openengine_sidecar_ready") == 1
+
+
+#: The largest wait between two events of a stream relayed while a large KV batch decodes.
+#: Decoded on the event loop, the 3 MB batch held every token for ~3 s (7-10 s under load).
+MAX_TOKEN_GAP = 0.5
+
+
+async def test_a_large_kv_batch_does_not_stall_relayed_tokens(aio_loop: Any, tmp_path: Path) -> None:
+    """A ~3 MB ``SubscribeKvEvents`` batch (mock ``kv-large-batch``) is decoded in a worker
+    thread while a stream is relayed: the stream's largest gap between events (the first one
+    counted from the request) stays under :data:`MAX_TOKEN_GAP`, and the bridge publishes the
+    whole batch in order."""
+    engine_args = ("--flavor", "trtllm", "--token-delay-ms", "5", "--max-output-tokens", "100000")
+    with trio.fail_after(120):
+        async with (
+            mock_engine(tmp_path, *engine_args, "--fault", "kv-large-batch") as engine,
+            sidecar(engine.address) as sc,
+            open_sidecar(sc.ws) as client,
+        ):
+            async with httpx.AsyncClient() as http:
+                endpoint = (await http.get(sc.http + "/v1/worker", timeout=5)).json()["kvPublishEndpoints"][0]
+            async with Consumer(endpoint, None) as consumer:
+                gaps: list[float] = []
+                last = trio.current_time()
+                async with client.generate(generate_request(max_tokens=1500)) as stream:
+                    async for _ in stream:
+                        now = trio.current_time()
+                        gaps.append(now - last)
+                        last = now
+                assert stream.end is not None and stream.end.outcome == "completed"
+                published = await consumer.collect(lambda got: any(_large(p.events) for p in got))
+            big = next(p for p in published if _large(p.events))
+            assert [p.seq for p in published] == list(range(big.seq + 1))[-len(published) :]
+            m = await scrape(sc.http)
+            assert m.value("openengine_sidecar_kv_decode_errors_total") == 0
+            print(f"largest gap between events {max(gaps) * 1e3:.0f} ms over {len(gaps)} events")
+            assert max(gaps) < MAX_TOKEN_GAP, f"a relayed stream waited {max(gaps):.2f}s"
+
+
+def _large(events: list[dict[str, Any]]) -> bool:
+    return any(len(e.get("block_hashes") or ()) > 40_000 for e in events)
