@@ -2,10 +2,15 @@
 
 Every flag also reads ``OPENENGINE_SIDECAR_MOCK_<FLAG>`` (a ``MOCK_`` infix, so a
 sidecar's own ``OPENENGINE_SIDECAR_LISTEN`` never configures an engine started from
-the same environment). Logs one line when serving; exits 0 on SIGTERM/SIGINT.
+the same environment). Logs one line when serving; exits 0 on SIGTERM/SIGINT, 1 with one
+line when it cannot serve (a port in use, a Unix socket path another live process serves).
 ``--ready-file PATH`` writes a JSON description once serving (``-`` = one line on
 stdout): ``{"address", "flavor", "role", "instance_id", "kv_events", "kv_endpoints",
 "transfer_endpoint", "pid"}``.
+
+By default the engine keeps the OpenEngine contract (``conformance`` passes). Deliberately
+non-conformant behaviour is opt-in: ``--orphans hold`` (a request whose stream closed keeps
+running until Abort — the test bed's leak detector) and the ``--fault`` switches.
 """
 
 from __future__ import annotations
@@ -106,10 +111,11 @@ def write_ready(path: str, info: ServingInfo) -> None:
 @_opt("--lora-path-check/--no-lora-path-check", default=True, show_default=True)
 @_opt(
     "--orphans",
-    type=click.Choice(["hold", "release"]),
-    default="hold",
+    type=click.Choice(["release", "hold"]),
+    default="release",
     show_default=True,
-    help="What a request whose client left without Abort does.",
+    help="What a request whose client left without Abort does: release it (conformant), or hold "
+    "it until Abort or --orphan-timeout (non-conformant; tests use it to catch a missing Abort).",
 )
 @_opt("--orphan-timeout", type=click.FloatRange(0), default=30.0, show_default=True, help="Seconds.")
 @_opt("--fast", is_flag=True, help="Benchmark mode: pre-encoded responses, no delays.")
@@ -182,4 +188,6 @@ def mock_engine(**kw: Any) -> None:
     try:
         asyncio.run(main())
     except OSError as err:
-        raise click.ClickException(f"cannot serve on {config.listen}: {err}") from None
+        raise click.ClickException(
+            f"mock-engine: cannot serve on {config.listen}: {err.strerror or err}"
+        ) from None

@@ -58,7 +58,7 @@ class EngineConfig:
     enable_lora: bool = True
     max_loras: int = 4
     check_lora_path: bool = True
-    orphans: OrphanPolicy = "hold"
+    orphans: OrphanPolicy = "release"
     orphan_timeout_s: float = 30.0
     fast: bool = False
     seed: int = 0

@@ -22,6 +22,10 @@ timeout=30.0, args=(), env=None, **opts)`` → :class:`MockEngineProcess`
     fields (``flavor=``, ``role=``, ``max_running=``, ``faults=parse_faults([...])``).
     Faster to start; gives direct access to ``.engine`` (counters, caches). The
     ``crash-after`` fault raises :class:`EngineCrashed` in the engine instead of exiting.
+
+Both start the engine with ``orphans="hold"`` unless told otherwise (the CLI's default is the
+conformant ``release``): a request whose stream closed without Abort then stays running, so a
+missing Abort shows in the counters (``requests_leaked``) instead of going unnoticed.
 """
 
 from __future__ import annotations
@@ -174,6 +178,7 @@ async def run_mock_engine(
         listen = "127.0.0.1:0"
     elif listen == "unix":
         listen = f"unix://{tmp / f'mock-{n}.sock'}"
+    opts.setdefault("orphans", "hold")  # the test bed's leak detector (module doc)
     argv = _argv(flavor, role, listen, faults, opts) + list(args)
     log_path = tmp / f"mock-{flavor}-{role}-{n}.log"
     child_env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
@@ -224,6 +229,8 @@ async def mock_engine_in_process(
     config: EngineConfig | None = None, **fields: Any
 ) -> AsyncIterator[InProcessEngine]:
     """Serve an engine in this process's trio-asyncio loop for the block's duration."""
+    if config is None:
+        fields.setdefault("orphans", "hold")  # the test bed's leak detector (module doc)
     cfg = replace(config or EngineConfig(), **fields)
     started = trio.Event()
     holder: dict[str, Any] = {}

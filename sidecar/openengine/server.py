@@ -31,10 +31,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import errno
 import inspect
 import logging
 import os
 import re
+import socket
+import stat
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -248,6 +251,31 @@ class RunningServer:
         await self._server.wait_closed()
 
 
+def claim_unix_path(path: str) -> None:
+    """Make ``path`` free for a Unix socket listener: a stale socket (nothing accepts on it)
+    is removed; a socket another live process serves, or a file that is no socket, raises
+    ``OSError`` (``EADDRINUSE`` / ``EEXIST``) and is left alone."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise OSError(errno.EEXIST, f"{path} exists and is not a socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # stale: its server is gone
+        return
+    except OSError:
+        pass  # e.g. a full backlog or a timeout: somebody is there
+    finally:
+        probe.close()
+    raise OSError(errno.EADDRINUSE, f"another live process serves {path}")
+
+
 @contextlib.asynccontextmanager
 async def open_server(services: Iterable[Any], listen: str | ListenAddress) -> AsyncIterator[RunningServer]:
     """Serve ``services`` (generated ``*Base`` instances) on ``listen`` for the block's duration.
@@ -257,10 +285,11 @@ async def open_server(services: Iterable[Any], listen: str | ListenAddress) -> A
     """
     address = parse_listen(listen) if isinstance(listen, str) else listen
     server = grpclib.server.Server([_Wrapped(s) for s in services], codec=_Codec())
+    inode = None
     if address.path is not None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(address.path)
+        claim_unix_path(address.path)
         await server.start(path=address.path)
+        inode = os.stat(address.path).st_ino
         bound = address
     else:
         await server.start(address.host, address.port)
@@ -280,7 +309,8 @@ async def open_server(services: Iterable[Any], listen: str | ListenAddress) -> A
             await asyncio.wait_for(asyncio.shield(running.wait_closed()), 5.0)
         if address.path is not None:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(address.path)
+                if os.stat(address.path).st_ino == inode:  # still ours
+                    os.unlink(address.path)
 
 
 async def serve(

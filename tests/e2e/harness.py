@@ -54,9 +54,12 @@ class Engine:
 
 @asynccontextmanager
 async def mock_engine(tmp_path: Path, *args: str, name: str = "engine") -> AsyncIterator[Engine]:
-    """A simulated engine on a Unix socket under ``tmp_path`` (args: mock-engine flags)."""
+    """A simulated engine on a Unix socket under ``tmp_path`` (args: mock-engine flags).
+
+    ``--orphans hold`` unless ``args`` say otherwise: a missing Abort then shows in the
+    engine's counters (``requests_leaked``)."""
     sock = tmp_path / f"{name}.sock"
-    async with spawn(["mock-engine", "--listen", f"unix://{sock}", *args]) as proc:
+    async with spawn(["mock-engine", "--listen", f"unix://{sock}", "--orphans", "hold", *args]) as proc:
         m = await proc.wait_for_line(ENGINE_READY)
         yield Engine(proc, m.group(1).rstrip(";"))
 
