@@ -24,19 +24,14 @@ from typing import Any
 
 import click
 
-from sidecar.cli_options import option
+from sidecar.cli_options import COUNT, ListenAddress, NewFile, command_option, env_name
 from sidecar.mock.app import ServingInfo, serve_engine
 from sidecar.mock.config import FLAVORS, ROLES, SCHEMA_NAMES, EngineConfig
 from sidecar.mock.faults import FaultSpecError, parse_faults
 from sidecar.mock.schemas import RELEASE_FORMS
 
-ENV_PREFIX = "OPENENGINE_SIDECAR_MOCK_"
-
-
-def _opt(*decls: str, **kwargs: Any):  # type: ignore[no-untyped-def]
-    flag = next(d for d in decls if d.startswith("--")).split("/")[0]
-    kwargs.setdefault("envvar", ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper())
-    return option(*decls, **kwargs)
+ENV_PREFIX = env_name("--", "mock-engine")[:-1]  # OPENENGINE_SIDECAR_MOCK_
+_opt = command_option("mock-engine")
 
 
 def write_ready(path: str, info: ServingInfo) -> None:
@@ -54,7 +49,7 @@ def write_ready(path: str, info: ServingInfo) -> None:
 
 @click.command("mock-engine")
 @_opt("--flavor", type=click.Choice(FLAVORS), default="vllm", show_default=True, help="Engine to simulate.")
-@_opt("--role", type=click.Choice(ROLES), default="aggregated", show_default=True)
+@_opt("--role", type=click.Choice(ROLES), default="aggregated", show_default=True, help="Serving role.")
 @_opt(
     "--schema",
     type=click.Choice(SCHEMA_NAMES),
@@ -70,7 +65,11 @@ def write_ready(path: str, info: ServingInfo) -> None:
     help="schema_release as a source commit, a (synthetic) BSR commit or a buf.build/... reference.",
 )
 @_opt(
-    "--listen", default="127.0.0.1:50051", show_default=True, help="HOST:PORT (port 0 = any) or unix:///PATH."
+    "--listen",
+    type=ListenAddress(unix_ok=True),
+    default="127.0.0.1:50051",
+    show_default=True,
+    help="HOST:PORT (port 0 = any) or unix:///PATH.",
 )
 @_opt("--model", default="", help="Served model name (default Qwen/Qwen3-0.6B).")
 @_opt("--alias", "aliases", multiple=True, help="Additional accepted model name (repeatable).")
@@ -86,29 +85,71 @@ def write_ready(path: str, info: ServingInfo) -> None:
     help="Serve a text-only model: no multimodal capabilities, every media item refused.",
 )
 @_opt("--dp-size", type=click.IntRange(1, 64), default=1, show_default=True, help="Data-parallel ranks.")
-@_opt("--tp-size", type=click.IntRange(1, 64), default=1, show_default=True)
-@_opt("--kv-block-size", type=click.IntRange(1), default=16, show_default=True)
-@_opt("--total-kv-blocks", type=click.IntRange(1), default=4096, show_default=True, help="Per DP rank.")
-@_opt("--max-running", type=click.IntRange(1), default=64, show_default=True, help="Per DP rank.")
+@_opt(
+    "--tp-size",
+    type=click.IntRange(1, 64),
+    default=1,
+    show_default=True,
+    help="Tensor-parallel size reported.",
+)
+@_opt("--kv-block-size", type=COUNT, default=16, show_default=True, help="Tokens per KV block.")
+@_opt("--total-kv-blocks", type=COUNT, default=4096, show_default=True, help="Per DP rank.")
+@_opt("--max-running", type=COUNT, default=64, show_default=True, help="Per DP rank.")
 @_opt("--max-queue", type=click.IntRange(0), default=256, show_default=True, help="Per DP rank.")
-@_opt("--max-context-length", type=click.IntRange(2), default=8192, show_default=True)
-@_opt("--max-output-tokens", type=click.IntRange(1), default=4096, show_default=True)
+@_opt("--max-context-length", type=click.IntRange(2), default=8192, show_default=True, help="Tokens.")
+@_opt("--max-output-tokens", type=COUNT, default=4096, show_default=True, help="Tokens per request.")
 @_opt("--token-delay-ms", type=click.FloatRange(0), default=0.0, show_default=True, help="Per decode step.")
 @_opt(
     "--first-token-delay-ms", type=click.FloatRange(0), default=0.0, show_default=True, help="Prefill time."
 )
-@_opt("--kv-events", type=click.Choice(["auto", "zmq", "grpc", "none"]), default="auto", show_default=True)
+@_opt(
+    "--kv-events",
+    type=click.Choice(["auto", "zmq", "grpc", "none"]),
+    default="auto",
+    show_default=True,
+    help="How KV cache events are published (auto: the flavour's way).",
+)
 @_opt("--kv-host", default="127.0.0.1", show_default=True, help="Bind host of the ZMQ KV publishers.")
 @_opt("--kv-port", type=click.IntRange(0, 65535), default=0, show_default=True, help="Base port; 0 = any.")
-@_opt("--kv-event-format", type=click.Choice(["map", "array"]), default="map", show_default=True)
-@_opt("--kv-log", default="", help="Append every KV event batch (ground truth) to this JSON-lines file.")
+@_opt(
+    "--kv-event-format",
+    type=click.Choice(["map", "array"]),
+    default="map",
+    show_default=True,
+    help="msgpack layout of the ZMQ KV events.",
+)
+@_opt(
+    "--kv-log",
+    type=NewFile(),
+    default=None,
+    help="Append every KV event batch (ground truth) to this JSON-lines file.",
+)
 @_opt("--transfer-host", default="127.0.0.1", show_default=True, help="Prefill's KV transfer listener.")
-@_opt("--transfer-port", type=click.IntRange(0, 65535), default=0, show_default=True)
-@_opt("--kv-session-timeout", type=click.FloatRange(0), default=60.0, show_default=True, help="Seconds.")
-@_opt("--bootstrap-timeout", type=click.FloatRange(0), default=30.0, show_default=True, help="Seconds.")
-@_opt("--lora/--no-lora", "enable_lora", default=True, show_default=True)
-@_opt("--max-loras", type=click.IntRange(0), default=4, show_default=True)
-@_opt("--lora-path-check/--no-lora-path-check", default=True, show_default=True)
+@_opt(
+    "--transfer-port", type=click.IntRange(0, 65535), default=0, show_default=True, help="Its port; 0 = any."
+)
+@_opt(
+    "--kv-session-timeout",
+    type=click.FloatRange(0),
+    default=60.0,
+    show_default=True,
+    help="Seconds a prefill keeps a KV session nobody pulls.",
+)
+@_opt(
+    "--bootstrap-timeout",
+    type=click.FloatRange(0),
+    default=30.0,
+    show_default=True,
+    help="Seconds a bootstrap room waits for its other side.",
+)
+@_opt("--lora/--no-lora", "enable_lora", default=True, show_default=True, help="Support LoRA adapters.")
+@_opt("--max-loras", type=click.IntRange(0), default=4, show_default=True, help="Adapters loaded at once.")
+@_opt(
+    "--lora-path-check/--no-lora-path-check",
+    default=True,
+    show_default=True,
+    help="Refuse adapter paths that do not exist.",
+)
 @_opt(
     "--orphans",
     type=click.Choice(["release", "hold"]),
@@ -117,12 +158,23 @@ def write_ready(path: str, info: ServingInfo) -> None:
     help="What a request whose client left without Abort does: release it (conformant), or hold "
     "it until Abort or --orphan-timeout (non-conformant; tests use it to catch a missing Abort).",
 )
-@_opt("--orphan-timeout", type=click.FloatRange(0), default=30.0, show_default=True, help="Seconds.")
+@_opt(
+    "--orphan-timeout",
+    type=click.FloatRange(0),
+    default=30.0,
+    show_default=True,
+    help="Seconds a held orphan lives.",
+)
 @_opt("--fast", is_flag=True, help="Benchmark mode: pre-encoded responses, no delays.")
 @_opt("--seed", type=int, default=0, show_default=True, help="Engine-wide generation seed.")
-@_opt("--instance-id", default="")
+@_opt("--instance-id", default="", help="Instance id to report (default: from flavour, role, address).")
 @_opt("--fault", "faults", multiple=True, help="NAME[=VALUE] (repeatable); see sidecar.mock.faults.")
-@_opt("--ready-file", default="", help="Write serving info (JSON) here once serving; '-' = stdout.")
+@_opt(
+    "--ready-file",
+    type=NewFile(allow_dash=True),
+    default=None,
+    help="Write serving info (JSON) here once serving; '-' = stdout.",
+)
 def mock_engine(**kw: Any) -> None:
     """Run a simulated TensorRT-LLM / vLLM / SGLang engine speaking OpenEngine v1."""
     try:
@@ -155,7 +207,7 @@ def mock_engine(**kw: Any) -> None:
             kv_host=kw["kv_host"],
             kv_port=kw["kv_port"],
             kv_event_format=kw["kv_event_format"],
-            kv_log=kw["kv_log"],
+            kv_log=kw["kv_log"] or "",
             transfer_host=kw["transfer_host"],
             transfer_port=kw["transfer_port"],
             kv_session_timeout_s=kw["kv_session_timeout"],
