@@ -5,7 +5,8 @@ with client worker processes, and compares with two anchors reading the same eng
 directly — the sidecar's own ``EngineClient`` and grpcio's asyncio API with the official
 protobuf runtime — in the same run, so ratios hold on a noisy machine. Prints progress,
 a results table and the goals of issue 9; writes every figure and the machine
-description as JSON (``--out``). Every flag also reads ``OPENENGINE_SIDECAR_BENCH_<FLAG>``.
+description as JSON (``--out``, by default under the git-ignored ``bench-results/``). Every flag
+also reads ``OPENENGINE_SIDECAR_BENCH_<FLAG>``.
 """
 
 from __future__ import annotations
@@ -152,7 +153,11 @@ def _write(path: Path, doc: dict[str, Any], started: float) -> dict[str, Any]:
 )
 @_opt("--quick", is_flag=True, help="Tiny sizes: every scenario in seconds (smoke run).")
 @_opt(
-    "--out", type=click.Path(dir_okay=False, path_type=Path), default="bench-results.json", show_default=True
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=Path("bench-results") / "bench-results.json",
+    show_default=True,
+    help="Results (JSON); its directory is created.",
 )
 @_opt("--streams", type=click.IntRange(1), default=None, help="Relay: concurrent streams [256].")
 @_opt("--tokens", type=click.IntRange(1), default=None, help="Relay: tokens per stream [500].")

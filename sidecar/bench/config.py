@@ -66,7 +66,7 @@ class BenchConfig:
     engine_lean_load: bool = True  # the engine's GetLoad attributes as small as a real engine's
     profile_dir: Path | None = None
     sidecar_command: tuple[str, ...] = ()  # () = python -m sidecar
-    out: Path = field(default_factory=lambda: Path("bench-results.json"))
+    out: Path = field(default_factory=lambda: Path("bench-results") / "bench-results.json")
 
     def quick_sizes(self) -> BenchConfig:
         """Tiny sizes: every scenario in seconds (the test suite's smoke run)."""

@@ -187,12 +187,17 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     return out
 
 
-def _table(header: tuple[str, ...], body: Sequence[tuple[str, ...]]) -> str:
-    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
-    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |"]
-    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for r in body:
-        lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |")
+def _table(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
+    """A Markdown table, columns padded; ``|`` and line breaks in a cell are escaped so that
+    every row keeps its columns."""
+
+    def cell(text: str) -> str:
+        return " ".join(str(text).split()).replace("|", "\\|")
+
+    cells = [tuple(cell(c) for c in row) for row in [header, *body]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in cells]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return "\n".join(lines)
 
 
