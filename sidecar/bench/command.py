@@ -30,15 +30,33 @@ from sidecar.bench import analysis, machine, procs, report
 from sidecar.bench.config import OPTIONAL_SCENARIOS, SCENARIOS, BenchConfig
 from sidecar.bench.pb2 import Pb2Unavailable, generate_pb2
 from sidecar.bench.scenarios import RUNNERS, Bench
-from sidecar.cli_options import option
+from sidecar.cli_options import command_option
 
-ENV_PREFIX = "OPENENGINE_SIDECAR_BENCH_"
+#: Where results go by default (git-ignored).
+DEFAULT_OUT = Path("bench-results") / "bench-results.json"
+
+_opt = command_option("bench")
 
 
-def _opt(*decls: str, **kwargs: Any):  # type: ignore[no-untyped-def]
-    flag = next(d for d in decls if d.startswith("--")).split("/")[0]
-    kwargs.setdefault("envvar", ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper())
-    return option(*decls, **kwargs)
+def _scenarios(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
+    names = tuple(s.strip() for s in value.split(",") if s.strip())
+    known = SCENARIOS + OPTIONAL_SCENARIOS
+    unknown = [s for s in names if s not in known]
+    if unknown or not names:
+        raise click.BadParameter(f"unknown {unknown or value!r}; known: {', '.join(known)}", ctx, param)
+    return names
+
+
+def _scale_points(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    try:
+        points = tuple(int(x) for x in value.split(","))
+    except ValueError:
+        points = ()
+    if not points or min(points) < 1:
+        raise click.BadParameter(f"{value!r}: expected positive integers, comma-separated", ctx, param)
+    return points
 
 
 def _jsonable(obj: Any) -> Any:
@@ -148,6 +166,7 @@ def _write(path: Path, doc: dict[str, Any], started: float) -> dict[str, Any]:
     "--scenarios",
     default=",".join(SCENARIOS),
     show_default=True,
+    callback=_scenarios,
     help="Comma-separated subset to run; 'vllm' (the sidecar in front of real vLLM, needs the 'vllm' "
     "extra) runs only when named.",
 )
@@ -155,7 +174,7 @@ def _write(path: Path, doc: dict[str, Any], started: float) -> dict[str, Any]:
 @_opt(
     "--out",
     type=click.Path(dir_okay=False, path_type=Path),
-    default=Path("bench-results") / "bench-results.json",
+    default=DEFAULT_OUT,
     show_default=True,
     help="Results (JSON); its directory is created.",
 )
@@ -163,9 +182,20 @@ def _write(path: Path, doc: dict[str, Any], started: float) -> dict[str, Any]:
 @_opt("--tokens", type=click.IntRange(1), default=None, help="Relay: tokens per stream [500].")
 @_opt("--rounds", type=click.IntRange(1), default=None, help="Relay: rounds of each client [3].")
 @_opt("--connections", type=click.IntRange(1), default=None, help="Load generator WebSocket connections [8].")
-@_opt("--encoding", type=click.Choice(["msgpack", "json"]), default="msgpack", show_default=True)
+@_opt(
+    "--encoding",
+    type=click.Choice(["msgpack", "json"]),
+    default="msgpack",
+    show_default=True,
+    help="Frame encoding of the load generator.",
+)
 @_opt("--coalesce/--no-coalesce", default=True, show_default=True, help="Opt in to coalesced event frames.")
-@_opt("--scale-points", default=None, help="Scale: idle stream counts, comma-separated [1000,10000].")
+@_opt(
+    "--scale-points",
+    default=None,
+    callback=_scale_points,
+    help="Scale: idle stream counts, comma-separated [1000,10000].",
+)
 @_opt(
     "--engine-stream-limit",
     type=click.IntRange(0),
@@ -197,12 +227,9 @@ def _write(path: Path, doc: dict[str, Any], started: float) -> dict[str, Any]:
 )
 def bench(**kw: Any) -> None:
     """Measure what the sidecar costs per token, per request and per stream."""
-    names = tuple(s.strip() for s in kw["scenarios"].split(",") if s.strip())
-    known = SCENARIOS + OPTIONAL_SCENARIOS
-    unknown = [s for s in names if s not in known]
-    if unknown:
-        raise click.BadParameter(f"unknown {unknown}; known: {', '.join(known)}", param_hint="--scenarios")
-    config = BenchConfig(scenarios=names, out=kw["out"], encoding=kw["encoding"], coalesce=kw["coalesce"])
+    config = BenchConfig(
+        scenarios=kw["scenarios"], out=kw["out"], encoding=kw["encoding"], coalesce=kw["coalesce"]
+    )
     config = replace(
         config,
         engine_stream_limit=kw["engine_stream_limit"],
@@ -216,7 +243,7 @@ def bench(**kw: Any) -> None:
         if kw[key] is not None:
             config = replace(config, **{key: kw[key]})
     if kw["scale_points"]:
-        config = replace(config, scale_points=tuple(int(x) for x in kw["scale_points"].split(",")))
+        config = replace(config, scale_points=kw["scale_points"])
     doc = trio.run(_until_signal, config)
     if doc is None:
         click.echo(

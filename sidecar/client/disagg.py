@@ -312,6 +312,7 @@ class DisaggClient:
         decodes = _Candidates(self, flow, "decode", self.decode_urls)
         found = await decodes.next()
         if found is None:
+            await prefills.next()  # the prefill side's state too: the error names both when both are down
             raise flow._exhausted("decode")
         decode = found[0]
         picked = await prefills.next(_pairs_with_decode(decode))

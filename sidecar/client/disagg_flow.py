@@ -225,15 +225,17 @@ class DisaggFlow:
     def _exhausted(self, role: Role) -> FlowOver:
         mine = [a for a in self.attempts if a.role == role]
         reasons = "; ".join(f"{a.url}: {a.result} {a.code or ''} {a.message}".strip() for a in mine)
+        message = f"no {role} sidecar could take the request ({reasons})"
+        others = [a for a in self.attempts if a.role != role and a.result != "completed"]
+        if others:  # the other side failed too: say so, or fixing one side meets the other next
+            other = others[0].role
+            message += f"; {other} side: " + "; ".join(
+                f"{a.url}: {a.result} {a.code or ''} {a.message}".strip() for a in others
+            )
         last = mine[-1] if mine else None
         retryable = any(a.retryable for a in mine)
         code = (last.code if last is not None else None) or "ERROR_CODE_INTERNAL"
-        return FlowOver(
-            self._ended(
-                "rejected",
-                error_body(code, f"no {role} sidecar could take the request ({reasons})", retryable),
-            )
-        )
+        return FlowOver(self._ended("rejected", error_body(code, message, retryable)))
 
     def _side_over(self, side: Side) -> FlowOver:
         """The flow ends because of ``side`` (its own error; ``failed`` once anything was accepted)."""

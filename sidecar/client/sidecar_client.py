@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import socket
 import ssl
 import urllib.parse
 from collections.abc import AsyncIterator, Mapping
@@ -33,7 +34,14 @@ from typing import Any
 
 import betterproto2
 import trio
-from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection, open_websocket_url
+from trio_websocket import (
+    ConnectionClosed,
+    ConnectionRejected,
+    ConnectionTimeout,
+    HandshakeError,
+    WebSocketConnection,
+    open_websocket_url,
+)
 
 from sidecar.north import codec, wire
 from sidecar.north.codec import Encoding
@@ -439,6 +447,8 @@ async def open_sidecar(
         )
     enc = Encoding(encoding)
     connected = False
+    if full_url.startswith("wss://"):
+        await _check_tls(full_url, ssl_context, connect_timeout)
     try:
         async with open_websocket_url(
             full_url,
@@ -470,4 +480,78 @@ async def open_sidecar(
     except (HandshakeError, OSError) as err:
         if connected:
             raise  # from the caller's block, or a close timeout
-        raise SidecarConnectionError(f"cannot connect to {full_url}: {err!r}") from err
+        raise SidecarConnectionError(
+            f"cannot connect to {full_url}: {connect_failure(err, connect_timeout)}"
+        ) from err
+
+
+def connect_failure(err: BaseException, connect_timeout: float) -> str:
+    """What went wrong opening a connection, in words: refused, TLS, timeout, an HTTP refusal."""
+    if isinstance(err, ConnectionRejected):
+        if err.status_code == 401:
+            return "401 unauthorized: the sidecar wants a bearer token (--auth-token-file); none or a wrong one was sent"
+        body = (err.body or b"").decode(errors="replace").strip()
+        return f"the sidecar refused the WebSocket handshake: HTTP {err.status_code}" + (
+            f" ({body})" if body else ""
+        )
+    if isinstance(err, ConnectionTimeout):
+        return (
+            f"no WebSocket handshake within {connect_timeout:g}s (is it a TLS port spoken to as ws://, "
+            "or a sidecar that does not answer?)"
+        )
+    cause = _root_cause(err)
+    if isinstance(cause, ConnectionRefusedError):
+        return "connection refused (nothing listens there: is the sidecar running?)"
+    if isinstance(cause, socket.gaierror):
+        return f"cannot resolve the host ({cause.strerror or cause})"
+    if isinstance(cause, ssl.SSLError | trio.BrokenResourceError):
+        return _tls_failure(cause)
+    if isinstance(cause, OSError):
+        return cause.strerror or str(cause) or type(cause).__name__
+    return str(cause) or type(cause).__name__
+
+
+def _root_cause(err: BaseException) -> BaseException:
+    """The innermost cause: through ``__cause__`` (trio-websocket's HandshakeError, trio's
+    "all attempts to connect failed") and the first member of exception groups."""
+    seen: set[int] = set()
+    while id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, BaseExceptionGroup) and err.exceptions:
+            err = err.exceptions[0]
+        elif err.__cause__ is not None:
+            err = err.__cause__
+        else:
+            break
+    return err
+
+
+def _tls_failure(err: BaseException) -> str:
+    ssl_err = err if isinstance(err, ssl.SSLError) else err.__cause__
+    if isinstance(ssl_err, ssl.SSLCertVerificationError):
+        return f"TLS certificate not trusted: {ssl_err.verify_message or ssl_err.reason}"
+    reason = getattr(ssl_err, "reason", None) or str(ssl_err or err) or "connection closed"
+    return f"TLS handshake failed ({reason}): is it a plain ws:// port?"
+
+
+async def _check_tls(url: str, ssl_context: ssl.SSLContext | None, connect_timeout: float) -> None:
+    """Handshake TLS with a ``wss://`` sidecar first, so a plain port or an untrusted certificate
+    is named at once (trio-websocket would wait out its connect timeout)."""
+    parts = urllib.parse.urlsplit(url)
+    host, port = parts.hostname or "", parts.port or 443
+    context = ssl_context or ssl.create_default_context()
+    try:
+        with trio.fail_after(connect_timeout):
+            stream = await trio.open_ssl_over_tcp_stream(host, port, ssl_context=context)
+            try:
+                await stream.do_handshake()
+            finally:
+                await trio.aclose_forcefully(stream)
+    except trio.TooSlowError:
+        raise SidecarConnectionError(
+            f"cannot connect to {url}: no TLS handshake within {connect_timeout:g}s"
+        ) from None
+    except (OSError, trio.BrokenResourceError) as err:
+        raise SidecarConnectionError(
+            f"cannot connect to {url}: {connect_failure(err, connect_timeout)}"
+        ) from err
