@@ -2,18 +2,27 @@
 
 Subcommands live beside the code they drive and are imported lazily, so
 ``openengine-sidecar --help`` stays fast and one broken optional part (e.g. the
-Dynamo extra) never breaks the others.
+Dynamo extra) never breaks the others. Every subcommand also takes the common options of
+:mod:`sidecar.cli_common` (``--log-level``, ``--log-format``, ``--config``), before or after
+its name.
+
+Exit status: 0 success, 1 a runtime failure (one line on stderr saying what), 2 a usage
+error — a bad flag value, a missing option, an unreadable config file — reported as one line
+naming the flag, before anything starts (some subcommands document more, e.g. 130 after
+Ctrl-C).
 """
 
 from __future__ import annotations
 
 import importlib
-import logging
 import os
+import sys
+from collections.abc import Sequence
+from typing import Any
 
 import click
 
-from sidecar.cli_options import option
+from sidecar.cli_common import add_common_options, common_options
 
 #: subcommand -> "module:attribute" of a click.Command
 SUBCOMMANDS: dict[str, str] = {
@@ -47,7 +56,31 @@ class LazyGroup(click.Group):
             raise
         command = getattr(module, attr)
         assert isinstance(command, click.Command)
-        return command
+        return add_common_options(command)
+
+    def main(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, prog_name: str | None = None, **extra: Any
+    ) -> Any:
+        """Run the CLI; a usage error or a ``ClickException`` is one line on stderr (exit 2 or 1)."""
+        extra.pop("standalone_mode", None)
+        try:
+            return super().main(args, prog_name, standalone_mode=False, **extra)
+        except click.UsageError as err:
+            ctx = err.ctx
+            where = ctx.command_path if ctx is not None else (prog_name or "openengine-sidecar")
+            hint = f" (see '{where} --help')" if ctx is not None else ""
+            click.echo(f"{where}: {_one_line(err.format_message())}{hint}", err=True)
+            sys.exit(err.exit_code)
+        except click.ClickException as err:
+            click.echo(f"openengine-sidecar: {_one_line(err.format_message())}", err=True)
+            sys.exit(err.exit_code)
+        except click.exceptions.Abort:  # Ctrl-C outside a subcommand's own handling
+            click.echo("openengine-sidecar: interrupted", err=True)
+            sys.exit(130)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def _unavailable(name: str) -> click.Command:
@@ -68,18 +101,12 @@ def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> 
     ctx.exit()
 
 
-def setup_logging(level: str) -> None:
-    """One line per record on stderr: time, level, logger, message."""
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    # The wire-level loggers under grpclib log every header value at DEBUG (routing keys,
-    # application metadata): never let --log-level debug put request metadata in the logs.
-    for name in ("hpack", "h2"):
-        logging.getLogger(name).setLevel(max(logging.INFO, logging.getLogger().level))
+def _with_common_options(group: click.Group) -> click.Group:
+    group.params.extend(common_options())
+    return group
 
 
+@_with_common_options
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--version",
@@ -89,8 +116,6 @@ def setup_logging(level: str) -> None:
     callback=_print_version,
     help="Show the version, source commit and OpenEngine schema release, and exit.",
 )
-@option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
-def main(log_level: str) -> None:
+def main() -> None:
     """Engine-neutral sidecar for OpenEngine v1 inference engines."""
-    setup_logging(log_level)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")

@@ -1,31 +1,225 @@
-"""Shared click helpers: every long flag also reads ``OPENENGINE_SIDECAR_<FLAG>``.
+"""Shared click helpers: environment variables, and the parameter types every subcommand uses.
 
-``--drain-timeout`` reads ``OPENENGINE_SIDECAR_DRAIN_TIMEOUT``, so a systemd
-``EnvironmentFile`` or a container ``env:`` configures any subcommand.
+Environment variables: every long flag also reads a variable, one name per meaning:
+
+- ``run`` (the service) and the options every subcommand takes (``--log-level``,
+  ``--log-format``, ``--config``): ``OPENENGINE_SIDECAR_<FLAG>`` — ``--drain-timeout`` reads
+  ``OPENENGINE_SIDECAR_DRAIN_TIMEOUT``, so a systemd ``EnvironmentFile`` or a container
+  ``env:`` configures the service;
+- every other subcommand: ``OPENENGINE_SIDECAR_<COMMAND>_<FLAG>`` (:data:`COMMAND_ENV`), e.g.
+  ``OPENENGINE_SIDECAR_CONFORMANCE_JSON``, ``OPENENGINE_SIDECAR_MOCK_LISTEN``: a variable set for
+  the service never configures a client, a test engine or the benchmark started from the same
+  environment. :func:`command_option` builds a subcommand's ``option``.
+
+Parameter types validate at parse time, so a bad value exits 2 with one line naming the flag
+(``sidecar.cli``) before anything starts: :data:`SECONDS` / :data:`SECONDS_OR_ZERO`,
+:class:`ListenAddress`, :class:`EngineAddressType`, :class:`NewFile` (its directory must
+exist), and :func:`read_token` for token files.
 """
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable
 from typing import Any
 
 import click
 
-ENV_PREFIX = "OPENENGINE_SIDECAR_"
+from sidecar.cli_common import ENV_PREFIX, Option
+
+#: Per-subcommand infix of the environment variables (``run``'s flags have none).
+COMMAND_ENV: dict[str, str] = {
+    "run": "",
+    "describe": "DESCRIBE_",
+    "generate": "GENERATE_",
+    "disagg": "DISAGG_",
+    "conformance": "CONFORMANCE_",
+    "mock-engine": "MOCK_",
+    "bench": "BENCH_",
+}
 
 
-def env_name(flag: str) -> str:
-    """Environment variable for a long flag (``--kv-publish`` -> ``OPENENGINE_SIDECAR_KV_PUBLISH``)."""
-    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+def env_name(flag: str, command: str = "run") -> str:
+    """Environment variable of a long flag of ``command``.
+
+    ``env_name("--kv-publish")`` is ``OPENENGINE_SIDECAR_KV_PUBLISH``;
+    ``env_name("--json", "conformance")`` is ``OPENENGINE_SIDECAR_CONFORMANCE_JSON``.
+    """
+    infix = COMMAND_ENV.get(command, command.replace("-", "_").upper() + "_")
+    return ENV_PREFIX + infix + flag.lstrip("-").replace("-", "_").upper()
 
 
-def option(*decls: str, **kwargs: Any):  # type: ignore[no-untyped-def]
-    """``click.option`` that also reads the flag's ``OPENENGINE_SIDECAR_*`` variable."""
-    longs = [d for d in decls if d.startswith("--")]
-    if longs and "envvar" not in kwargs:
-        kwargs["envvar"] = env_name(longs[0].split("/")[0])
-        kwargs.setdefault("show_envvar", True)
-    return click.option(*decls, **kwargs)
+def command_option(command: str) -> Callable[..., Any]:
+    """The ``option`` decorator of ``command``: ``click.option`` that also reads the flag's
+    variable (:func:`env_name`); an explicit ``envvar=`` is kept."""
+
+    def option(*decls: str, **kwargs: Any) -> Any:
+        longs = [d for d in decls if d.startswith("--")]
+        if longs and "envvar" not in kwargs:
+            kwargs["envvar"] = env_name(longs[0].split("/")[0], command)
+        if "envvar" in kwargs:
+            kwargs.setdefault("show_envvar", True)
+        kwargs.setdefault("cls", Option)
+        return click.option(*decls, **kwargs)
+
+    return option
+
+
+#: ``run``'s option decorator (``OPENENGINE_SIDECAR_<FLAG>``).
+option = command_option("run")
+
+
+# --------------------------------------------------------------------------- numbers
+
+
+class Seconds(click.FloatRange):
+    """A finite number of seconds: ``> 0``, or ``>= 0`` with ``zero_ok`` (0 then means "none")."""
+
+    name = "seconds"
+
+    def __init__(self, *, zero_ok: bool = False) -> None:
+        super().__init__(min=0, min_open=not zero_ok)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number of seconds", param, ctx)
+        return rv
+
+
+#: Seconds, more than zero.
+SECONDS = Seconds()
+#: Seconds, zero or more (zero: the bound is off; say so in the help).
+SECONDS_OR_ZERO = Seconds(zero_ok=True)
+#: A count of at least one.
+COUNT = click.IntRange(min=1)
+
+
+# --------------------------------------------------------------------------- addresses
+
+
+def split_host_port(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (IPv6 in brackets) -> (host, port); ``ValueError`` naming what is wrong.
+    Port 0 asks the system for any free port; a host left out is loopback, never all interfaces."""
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        raise ValueError(f"{text!r}: expected HOST:PORT (IPv6 as [ADDR]:PORT)")
+    if not host:
+        return "127.0.0.1", _port(text, port)
+    return _host(text, host), _port(text, port)
+
+
+def _port(text: str, port: str) -> int:
+    if not port.isdigit():
+        raise ValueError(f"{text!r}: the port must be a number")
+    number = int(port)
+    if number > 65535:
+        raise ValueError(f"{text!r}: port {number} is not in 1-65535 (0: any free port)")
+    return number
+
+
+def _host(text: str, host: str) -> str:
+    if host.startswith("["):
+        if not host.endswith("]") or len(host) < 3:
+            raise ValueError(f"{text!r}: expected [IPv6]:PORT")
+        return host[1:-1]
+    if ":" in host:
+        raise ValueError(f"{text!r}: write an IPv6 address in brackets, [ADDR]:PORT")
+    return host
+
+
+def join_host_port(host: str, port: int) -> str:
+    """``host:port``, an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class ListenAddress(click.ParamType):
+    """A listener's ``HOST:PORT`` (port 0: any free port); ``unix_ok`` also takes ``unix:///PATH``.
+
+    The value stays the text given (validated)."""
+
+    name = "host:port"
+
+    def __init__(self, *, unix_ok: bool = False) -> None:
+        self.unix_ok = unix_ok
+        if unix_ok:
+            self.name = "host:port|unix:///path"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        text = str(value).strip()
+        if self.unix_ok and text.startswith("unix:"):
+            path = text[len("unix://") :] if text.startswith("unix://") else text[len("unix:") :]
+            if not path.startswith("/"):
+                self.fail(f"{text!r}: expected unix:///ABSOLUTE/PATH", param, ctx)
+            if not os.path.isdir(os.path.dirname(path)):
+                self.fail(f"{text!r}: directory {os.path.dirname(path)!r} does not exist", param, ctx)
+            return text
+        if "://" in text:
+            forms = "HOST:PORT or unix:///PATH" if self.unix_ok else "HOST:PORT"
+            self.fail(f"{text!r}: expected {forms}", param, ctx)
+        try:
+            split_host_port(text)
+        except ValueError as err:
+            self.fail(str(err), param, ctx)
+        return text
+
+
+class EngineAddressType(click.ParamType):
+    """An OpenEngine engine address: ``host:port``, ``http://host:port`` or ``unix:///path``."""
+
+    name = "address"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from sidecar.openengine.address import parse_engine_address
+        from sidecar.openengine.errors import EngineConfigError
+
+        try:
+            parse_engine_address(str(value))
+        except EngineConfigError as err:
+            self.fail(str(err), param, ctx)
+        return str(value).strip()
+
+
+ENGINE_ADDRESS = EngineAddressType()
+
+
+# --------------------------------------------------------------------------- files
+
+
+class NewFile(click.Path):
+    """A file the command writes: its directory must exist (checked before anything starts).
+    ``-`` (stdout) when ``allow_dash``."""
+
+    def __init__(self, *, allow_dash: bool = False) -> None:
+        super().__init__(dir_okay=False, allow_dash=allow_dash)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        rv = super().convert(value, param, ctx)
+        text = os.fsdecode(rv)
+        if text == "-" and self.allow_dash:
+            return rv
+        directory = os.path.dirname(os.path.abspath(text))
+        if not os.path.isdir(directory):
+            self.fail(f"{text!r}: directory {directory!r} does not exist", param, ctx)
+        if not os.access(directory, os.W_OK | os.X_OK):
+            self.fail(f"{text!r}: directory {directory!r} is not writable", param, ctx)
+        return rv
+
+
+#: An existing, readable file.
+EXISTING_FILE = click.Path(exists=True, dir_okay=False, readable=True)
+
+
+def read_token(ctx: click.Context, param: click.Parameter, path: str | None) -> str | None:
+    """Callback of a token-file option: the token (surrounding whitespace stripped), or None
+    without a path; an empty file is a usage error."""
+    if not path:
+        return None
+    token = read_token_file(path)
+    if not token:
+        raise click.BadParameter(f"{path!r}: the token file is empty", ctx, param)
+    return token
 
 
 def read_token_file(path: str | None) -> str | None:
@@ -34,6 +228,15 @@ def read_token_file(path: str | None) -> str | None:
         return None
     with open(path) as f:
         return f.read().strip()
+
+
+def absolute_path(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Callback: ``value`` must be an absolute path (normalized); None passes."""
+    if value is None:
+        return None
+    if not value.startswith("/"):
+        raise click.BadParameter(f"{value!r}: must be an absolute path", ctx, param)
+    return os.path.normpath(value)
 
 
 def parsed(parse: Callable[[str], str]) -> Callable[[click.Context, click.Parameter, str | None], str | None]:

@@ -1,27 +1,38 @@
 """``openengine-sidecar run``: serve one engine (the task tree of docs/design/architecture.md).
 
-    trio.run(main)
+    trio.run(serve)
     └─ trio_asyncio loop (grpclib lives there, nowhere else)
        └─ root nursery: stream supervisor (Abort retries), engine watch, load poller,
-          HTTP, WebSocket plane, drain supervisor (signals)
+          KV bridge, HTTP, WebSocket plane, Dynamo plane
 
-SIGTERM/SIGINT: drain (``/ready`` 503, new work DRAINING, admitted streams finish within
-``--drain-timeout``, the rest cancelled and aborted), then exit 0. A second signal cancels
-everything at once (aborts are still sent, bounded). Startup failures exit 1 with one line.
+:func:`serve` goes through three phases and reads SIGTERM/SIGINT in each:
+
+- **starting** (engine wait, discovery, binding every listener): a signal stops at once,
+  exit 0 with one line; "ready" is logged only once every listener is bound.
+- **serving**, until the first signal.
+- **stopping**, within one deadline (:func:`sidecar.core.shutdown.stop_timeout`): leave Dynamo
+  (``--dynamo``), drain (``/ready`` 503, new work DRAINING, admitted streams finish within
+  ``--drain-timeout``, the rest are cancelled and aborted), then every connection sends its
+  last frames and closes; whatever still runs at the deadline is cancelled. A second signal
+  skips what is left of leaving and draining: every stream is cancelled at once (its Abort is
+  still sent, within :func:`~sidecar.core.shutdown.stop_budget`). Exit 0.
+
+A failure to start (engine never ready, negotiation, a port in use, a KV bridge or Dynamo
+plane that cannot start, an unwritable ready file) exits 1 with one line.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import ssl
 import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 import msgspec
@@ -29,13 +40,26 @@ import trio
 import trio_asyncio
 
 from sidecar import sdnotify
-from sidecar.cli_options import option, read_token_file
+from sidecar.cli_options import (
+    ENGINE_ADDRESS,
+    EXISTING_FILE,
+    SECONDS,
+    SECONDS_OR_ZERO,
+    ListenAddress,
+    NewFile,
+    absolute_path,
+    join_host_port,
+    option,
+    read_token,
+    split_host_port,
+)
 from sidecar.core.lifecycle import LifecycleConfig
 from sidecar.core.schema_options import schema_options
+from sidecar.core.shutdown import stop_budget, stop_timeout
 from sidecar.core.sidecar import OUTCOME_SHUTDOWN, Sidecar, SidecarConfig, StartupError, engine_keepalive
 from sidecar.dynamo.config import DynamoConfig, DynamoConfigError
 from sidecar.dynamo.options import dynamo_config, dynamo_options
-from sidecar.dynamo.plane import leave_before_drain, start_dynamo_plane
+from sidecar.dynamo.plane import DynamoPlane, start_dynamo_plane
 from sidecar.kvbridge import KvBridgeConfig, KvConfigError, KvSourceError, run_kv_bridge
 from sidecar.kvbridge.options import kv_bridge_config, kv_bridge_options
 from sidecar.north.http import build_app
@@ -43,23 +67,18 @@ from sidecar.north.http_server import HttpLimits, serve_http
 from sidecar.north.limit_options import apply_limit_options, limit_options
 from sidecar.north.ws_server import WS_PATH, NorthPlane, WsConfig
 from sidecar.openengine.client import open_engine_client
-from sidecar.openengine.errors import EngineConfigError
 
 log = logging.getLogger("sidecar.run")
 
-
-def split_host_port(text: str, flag: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
-        raise click.BadParameter(f"{text!r}: expected HOST:PORT", param_hint=flag)
-    return host.strip("[]") or "127.0.0.1", int(port)
+T = TypeVar("T")
+Signals = AsyncIterator[int]
 
 
 async def serve(
     engine: str,
     config: SidecarConfig,
     ws: WsConfig,
-    listen: tuple[str, int],
+    listen: str,
     http_listen: str,
     *,
     ready_file: Path | None = None,
@@ -68,72 +87,46 @@ async def serve(
     open_probes: bool = True,
     http_limits: HttpLimits | None = None,
     dynamo: DynamoConfig | None = None,
-    task_status: Any = trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[dict[str, str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run the sidecar until drained; ``task_status.started(dict of bound addresses)``."""
+    """Run the sidecar until stopped (module doc); ``task_status.started(bound addresses)``."""
     async with (
         trio_asyncio.open_loop(),
         open_engine_client(engine, keepalive=engine_keepalive(config), limits=config.engine_limits) as client,
     ):
         sidecar = Sidecar(client, config)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            card = await sidecar.startup()
             async with trio.open_nursery() as root:
-                await root.start(sidecar.supervisor.run_service)
-                await _start_kv_bridge(root, sidecar, kv)
-                log.info(
-                    "engine %s %s (%s), schema revision %d, release %s; models: %s",
-                    card.engine.name,
-                    card.engine.version,
-                    card.role,
-                    card.schema.revision,
-                    card.schema.release,
-                    ", ".join(card.served_model_names),
-                )
-                await root.start(sidecar.watch_engine)
-                await root.start(sidecar.poll_load)
-                cert, key = tls if tls else (None, None)
-                app = build_app(sidecar, auth_token=ws.auth_token, open_probes=open_probes)
                 limits = replace(http_limits or HttpLimits(), handshake_timeout=ws.handshake_timeout)
-                http_port = await root.start(
-                    partial(serve_http, certfile=cert, keyfile=key, limits=limits), app, http_listen
+                start = partial(
+                    _start,
+                    root,
+                    sidecar,
+                    ws,
+                    listen,
+                    http_listen,
+                    ready_file,
+                    kv,
+                    tls,
+                    open_probes,
+                    limits,
+                    dynamo,
                 )
-                north = NorthPlane(sidecar, ws, ssl_context=_server_ssl_context(tls) if tls else None)
-                ws_port = await root.start(north.serve, listen[0], listen[1])
-                secure = "s" if tls else ""
-                http_host = http_listen.rpartition(":")[0] or "127.0.0.1"
-                bound = {
-                    "ws": f"ws{secure}://{_hostport(listen[0], ws_port)}{WS_PATH}",
-                    "http": f"http{secure}://{_hostport(http_host, http_port)}",
-                }
-                log.info("serving %s and %s", bound["ws"], bound["http"])
-                # Dynamo worker plane (optional): registered last, left first on SIGTERM. Its
-                # start can wait long for etcd/NATS: a signal meanwhile stops the sidecar.
-                started, plane = await _unless_signalled(
-                    signals,
-                    partial(start_dynamo_plane, root, sidecar, dynamo, kv_topic=kv.topic if kv else ""),
-                )
-                if not started:
+                started = await _unless_signal(signals, start)
+                if started is None:
                     root.cancel_scope.cancel()
                     return
-                if plane is not None:
-                    bound["dynamo"] = plane.path
-                if ready_file is not None:
-                    await trio.Path(ready_file).write_text(json.dumps(bound))
-                sdnotify.notify("READY=1", f"STATUS=serving {card.engine.name} {card.role} on {bound['ws']}")
-                if (interval := sdnotify.watchdog_interval()) is not None:
-                    root.start_soon(_watchdog, interval)
+                bound, north, plane = started
                 task_status.started(bound)
-                await _drain_on_signal(sidecar, leave_before_drain(signals, plane))
-                await north.close_gracefully()
+                signum = await signals.__anext__()
+                await _stop(sidecar, north, plane, signals, signum)
                 root.cancel_scope.cancel()
     log.info("exited cleanly")
 
 
-async def _unless_signalled(signals: Any, start: Any) -> tuple[bool, Any]:
-    """``(True, await start())``, or ``(False, None)`` when SIGTERM/SIGINT comes first (the
-    start is cancelled; logged)."""
-    result: list[Any] = []
+async def _unless_signal(signals: Signals, fn: Callable[[], Awaitable[T]]) -> T | None:
+    """``await fn()``, or None (``fn`` cancelled) when a stop signal comes first."""
+    result: T | None = None
     async with trio.open_nursery() as nursery:
 
         async def watch() -> None:
@@ -142,9 +135,119 @@ async def _unless_signalled(signals: Any, start: Any) -> tuple[bool, Any]:
             nursery.cancel_scope.cancel()
 
         nursery.start_soon(watch)
-        result.append(await start())
+        result = await fn()
         nursery.cancel_scope.cancel()
-    return (True, result[0]) if result else (False, None)
+    return result
+
+
+async def _start(
+    root: trio.Nursery,
+    sidecar: Sidecar,
+    ws: WsConfig,
+    listen: str,
+    http_listen: str,
+    ready_file: Path | None,
+    kv: KvBridgeConfig | None,
+    tls: tuple[str, str] | None,
+    open_probes: bool,
+    http_limits: HttpLimits,
+    dynamo: DynamoConfig | None,
+) -> tuple[dict[str, str], NorthPlane, DynamoPlane | None]:
+    """Wait for the engine, start every service in ``root``, bind every listener; log "ready"."""
+    card = await sidecar.startup()
+    await root.start(sidecar.supervisor.run_service)
+    await _start_kv_bridge(root, sidecar, kv)
+    log.info(
+        "engine %s %s (%s), schema revision %d, release %s; models: %s",
+        card.engine.name,
+        card.engine.version,
+        card.role,
+        card.schema.revision,
+        card.schema.release,
+        ", ".join(card.served_model_names),
+    )
+    await root.start(sidecar.watch_engine)
+    await root.start(sidecar.poll_load)
+    cert, key = tls if tls else (None, None)
+    app = build_app(sidecar, auth_token=ws.auth_token, open_probes=open_probes)
+    http_host, http_port = split_host_port(http_listen)
+    bind = join_host_port(http_host, http_port)
+    http_port = await _bind(
+        "--http-listen",
+        http_listen,
+        root.start(partial(serve_http, certfile=cert, keyfile=key, limits=http_limits), app, bind),
+    )
+    north = NorthPlane(sidecar, ws, ssl_context=_server_ssl_context(tls) if tls else None)
+    ws_host, ws_port = split_host_port(listen)
+    ws_port = await _bind("--listen", listen, root.start(north.serve, ws_host, ws_port))
+    secure = "s" if tls else ""
+    bound = {
+        "ws": f"ws{secure}://{join_host_port(ws_host, ws_port)}{WS_PATH}",
+        "http": f"http{secure}://{join_host_port(http_host, http_port)}",
+    }
+    # Dynamo worker plane (optional): registered last, left first when stopping
+    plane = await start_dynamo_plane(root, sidecar, dynamo, kv_topic=kv.topic if kv else "")
+    if plane is not None:
+        bound["dynamo"] = plane.path
+    if ready_file is not None:
+        try:
+            await trio.Path(ready_file).write_text(json.dumps(bound))
+        except OSError as err:
+            raise StartupError(f"--ready-file {ready_file}: {err.strerror or err}") from None
+    log.info("ready: serving %s and %s", bound["ws"], bound["http"])
+    sdnotify.notify("READY=1", f"STATUS=serving {card.engine.name} {card.role} on {bound['ws']}")
+    if (interval := sdnotify.watchdog_interval()) is not None:
+        root.start_soon(_watchdog, interval)
+    return bound, north, plane
+
+
+async def _bind(flag: str, address: str, starting: Awaitable[Any]) -> int:
+    """Await a listener's start; a bind failure becomes a one-line :class:`StartupError`."""
+    try:
+        port: int = await starting
+    except (OSError, BaseExceptionGroup) as err:
+        leaf = _lone_leaf(err)
+        if isinstance(leaf, OSError):
+            raise StartupError(f"{flag} {address}: cannot listen: {leaf.strerror or leaf}") from None
+        raise
+    return port
+
+
+async def _stop(
+    sidecar: Sidecar, north: NorthPlane, plane: DynamoPlane | None, signals: Signals, signum: int
+) -> None:
+    """Leave Dynamo, drain, close the connections: all before one deadline (module doc)."""
+    cfg = sidecar.config
+    abort_timeout = cfg.lifecycle.abort_timeout
+    budget = stop_timeout(cfg.drain_timeout, abort_timeout, plane.leave_budget if plane else 0.0)
+    log.info(
+        "%s: stopping within %.1fs (a second signal cancels every stream at once)",
+        signal.Signals(signum).name,
+        budget,
+    )
+    sdnotify.notify("STOPPING=1", "STATUS=draining")
+    with trio.move_on_after(budget) as deadline:
+        async with trio.open_nursery() as nursery:
+            graceful = trio.CancelScope()
+
+            async def second_signal() -> None:
+                sig = await signals.__anext__()
+                log.warning("%s again: cancelling every stream now", signal.Signals(sig).name)
+                graceful.cancel()
+                deadline.deadline = min(deadline.deadline, trio.current_time() + stop_budget(abort_timeout))
+
+            nursery.start_soon(second_signal)
+            with graceful:
+                if plane is not None:
+                    await plane.leave()  # Dynamo routes no new work here (then its grace)
+                await sidecar.drain()
+            sidecar.start_draining()  # (already, unless a second signal came before the drain)
+            await sidecar.stop_streams(OUTCOME_SHUTDOWN)
+            north.close()  # every connection sends its last frames, then closes (1001)
+            await north.wait_closed()
+            nursery.cancel_scope.cancel()
+    if deadline.cancelled_caught:
+        log.warning("stop deadline reached: closing what is left")
 
 
 async def _start_kv_bridge(root: trio.Nursery, sidecar: Sidecar, kv: KvBridgeConfig | None) -> None:
@@ -173,6 +276,7 @@ async def _start_kv_bridge(root: trio.Nursery, sidecar: Sidecar, kv: KvBridgeCon
 
 
 def _server_ssl_context(tls: tuple[str, str]) -> ssl.SSLContext:
+    """The listeners' TLS context; ``ssl.SSLError``/``OSError`` for unusable PEM files."""
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(*tls)
     return context
@@ -185,34 +289,27 @@ async def _watchdog(interval: float) -> None:
         await trio.sleep(interval)
 
 
-def _hostport(host: str, port: int) -> str:
-    host = host.strip("[]")
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-async def _drain_on_signal(sidecar: Sidecar, signals: Any) -> None:
-    signum = await signals.__anext__()
-    log.info("%s: draining (a second signal stops at once)", signal.Signals(signum).name)
-    sdnotify.notify("STOPPING=1", "STATUS=draining")
-    async with trio.open_nursery() as nursery:
-
-        async def second_signal() -> None:
-            sig = await signals.__anext__()
-            log.warning("%s again: cancelling every stream now", signal.Signals(sig).name)
-            sidecar.supervisor.cancel_all(OUTCOME_SHUTDOWN)
-            nursery.cancel_scope.cancel()
-
-        nursery.start_soon(second_signal)
-        await sidecar.drain()
-        nursery.cancel_scope.cancel()
-    with trio.move_on_after(sidecar.config.lifecycle.abort_timeout + 1):
-        await sidecar.supervisor.wait_idle()
-
-
 @click.command("run")
-@option("--engine", required=True, help="Engine address: host:port, http://host:port or unix:///path.")
-@option("--listen", default="127.0.0.1:8600", show_default=True, help="WebSocket listener (north protocol).")
-@option("--http-listen", default="127.0.0.1:8601", show_default=True, help="HTTP health/ready/metrics.")
+@option(
+    "--engine",
+    type=ENGINE_ADDRESS,
+    required=True,
+    help="Engine address: host:port, http://host:port or unix:///path.",
+)
+@option(
+    "--listen",
+    type=ListenAddress(),
+    default="127.0.0.1:8600",
+    show_default=True,
+    help="WebSocket listener (north protocol), HOST:PORT (port 0: any free port).",
+)
+@option(
+    "--http-listen",
+    type=ListenAddress(),
+    default="127.0.0.1:8601",
+    show_default=True,
+    help="HTTP listener: health, ready, metrics, worker card, load.",
+)
 @option(
     "--http-idle-timeout",
     type=click.FloatRange(min=0.1),
@@ -231,100 +328,137 @@ async def _drain_on_signal(sidecar: Sidecar, signals: Any) -> None:
 @option("--expected-engine", default=None, help="Refuse to start unless the engine reports this name.")
 @schema_options
 @option(
-    "--startup-deadline", type=float, default=300.0, show_default=True, help="Seconds to wait for the engine."
+    "--startup-deadline",
+    type=SECONDS,
+    default=300.0,
+    show_default=True,
+    help="Seconds to wait for the engine.",
 )
-@option("--drain-timeout", type=float, default=20.0, show_default=True, help="Grace for admitted streams.")
+@option(
+    "--drain-timeout",
+    type=SECONDS_OR_ZERO,
+    default=20.0,
+    show_default=True,
+    help="On SIGTERM: seconds admitted streams get to finish before they are cancelled.",
+)
 @option(
     "--drain-engine/--no-drain-engine", default=False, show_default=True, help="Also call the engine's Drain."
 )
-@option("--health-interval", type=float, default=1.0, show_default=True)
+@option(
+    "--health-interval",
+    type=SECONDS,
+    default=1.0,
+    show_default=True,
+    help="Seconds between two engine Health checks.",
+)
 @option(
     "--call-timeout",
-    type=float,
+    type=SECONDS,
     default=5.0,
     show_default=True,
     help="Bound of one control call (Health, GetLoad, discovery, LoRA); two Health timeouts in a row mark the engine lost.",
 )
-@option("--load-interval", type=float, default=1.0, show_default=True, help="GetLoad polling interval.")
+@option("--load-interval", type=SECONDS, default=1.0, show_default=True, help="GetLoad polling interval.")
 @option(
     "--inactivity-timeout",
-    type=click.FloatRange(min=0),
+    type=SECONDS_OR_ZERO,
     default=30.0,
     show_default=True,
     help="Fail a stream whose engine sent nothing for this long after its first event (0: never).",
 )
 @option(
     "--first-event-timeout",
-    type=click.FloatRange(min=0),
+    type=SECONDS_OR_ZERO,
     default=600.0,
     show_default=True,
     help="Fail a stream whose engine sent no first event for this long: queueing and prefill (0: never).",
 )
 @option(
     "--engine-keepalive-interval",
-    type=click.FloatRange(min=0),
+    type=SECONDS_OR_ZERO,
     default=10.0,
     show_default=True,
     help="HTTP/2 PING an engine connection silent for this long while it owes an answer (0: never).",
 )
 @option(
     "--engine-keepalive-timeout",
-    type=click.FloatRange(min=0, min_open=True),
+    type=SECONDS,
     default=10.0,
     show_default=True,
     help="Close an engine connection whose PING is not answered within this long.",
 )
-@option("--abort-timeout", type=float, default=2.0, show_default=True, help="Bound of one Abort attempt.")
+@option(
+    "--abort-timeout",
+    type=SECONDS,
+    default=2.0,
+    show_default=True,
+    help="Bound of one Abort attempt (seconds).",
+)
 @option(
     "--abort-retry-window",
-    type=float,
+    type=SECONDS_OR_ZERO,
     default=30.0,
     show_default=True,
-    help="How long failed Aborts are retried.",
+    help="Seconds failed Aborts are retried in the background (0: no retry).",
 )
-@option("--max-streams", type=int, default=4096, show_default=True, help="Admitted streams per sidecar.")
-@option("--max-streams-per-connection", type=int, default=1024, show_default=True)
+@option(
+    "--max-streams",
+    type=click.IntRange(min=0),
+    default=4096,
+    show_default=True,
+    help="Admitted streams per sidecar (0: refuse every stream with a retryable OVERLOADED).",
+)
+@option(
+    "--max-streams-per-connection",
+    type=click.IntRange(min=1),
+    default=1024,
+    show_default=True,
+    help="Open streams one WebSocket connection may have.",
+)
 @option(
     "--stall-timeout",
-    type=float,
+    type=SECONDS,
     default=30.0,
     show_default=True,
     help="Disconnect a client that reads nothing for this long.",
 )
 @option(
     "--max-message-size",
-    type=int,
+    type=click.IntRange(min=1024),
     default=4 * 1024 * 1024,
     show_default=True,
-    help="Largest WebSocket message.",
+    help="Largest WebSocket message (bytes).",
 )
 @option(
     "--auth-token-file",
-    type=click.Path(exists=True, dir_okay=False),
+    "auth_token",
+    type=EXISTING_FILE,
+    callback=read_token,
     default=None,
-    help="Require this bearer token.",
+    help="Require the bearer token held in this file.",
 )
 @option(
     "--lora-root",
     type=click.Path(file_okay=False),
+    callback=absolute_path,
     default=None,
     help="Refuse loadLora calls whose source path is not under this directory (absolute).",
 )
 @option(
     "--ready-file",
-    type=click.Path(dir_okay=False),
+    type=NewFile(),
     default=None,
-    help="Write the bound addresses here (JSON) once ready.",
+    help="Write the bound addresses here (JSON) once ready (the directory must exist).",
 )
 @option(
     "--tls-cert",
-    type=click.Path(exists=True, dir_okay=False),
+    type=EXISTING_FILE,
     default=None,
     help="Serve WebSocket and HTTP over TLS with this certificate (PEM).",
 )
 @option(
     "--tls-key",
-    type=click.Path(exists=True, dir_okay=False),
+    type=EXISTING_FILE,
     default=None,
     help="Private key of --tls-cert (PEM).",
 )
@@ -338,12 +472,11 @@ async def _drain_on_signal(sidecar: Sidecar, signals: Any) -> None:
 @kv_bridge_options
 @dynamo_options
 def run(**opts: Any) -> None:
-    """Serve one OpenEngine engine to routers and frontends."""
-    listen = split_host_port(opts["listen"], "--listen")
-    split_host_port(opts["http_listen"], "--http-listen")
-    token = read_token_file(opts["auth_token_file"])
-    if opts["auth_token_file"] and not token:
-        raise click.BadParameter("the token file is empty", param_hint="--auth-token-file")
+    """Serve one OpenEngine engine to routers and frontends.
+
+    Stops on SIGTERM/SIGINT (drain, then exit 0; a second signal cancels every stream at once).
+    Exit status: 0 stopped, 1 could not start (one line says why), 2 a bad flag value.
+    """
     config = SidecarConfig(
         model=opts["model"],
         expected_engine=opts["expected_engine"],
@@ -358,7 +491,7 @@ def run(**opts: Any) -> None:
         keepalive_interval=opts["engine_keepalive_interval"],
         keepalive_timeout=opts["engine_keepalive_timeout"],
         load_interval=opts["load_interval"],
-        lora_root=_lora_root(opts["lora_root"]),
+        lora_root=opts["lora_root"],
         lifecycle=LifecycleConfig(
             abort_timeout=opts["abort_timeout"],
             abort_retry_window=opts["abort_retry_window"],
@@ -371,13 +504,11 @@ def run(**opts: Any) -> None:
         max_message_size=opts["max_message_size"],
         max_streams_per_connection=opts["max_streams_per_connection"],
         stall_timeout=opts["stall_timeout"],
-        auth_token=token,
+        auth_token=opts["auth_token"],
     )
     apply_limit_options(opts, ws, config)
     ready_file = Path(opts["ready_file"]) if opts["ready_file"] else None
-    if bool(opts["tls_cert"]) != bool(opts["tls_key"]):
-        raise click.BadParameter("give both --tls-cert and --tls-key", param_hint="--tls-cert")
-    tls = (opts["tls_cert"], opts["tls_key"]) if opts["tls_cert"] else None
+    tls = _tls(opts["tls_cert"], opts["tls_key"])
     try:
         kv = kv_bridge_config(opts)
     except KvConfigError as err:
@@ -393,7 +524,7 @@ def run(**opts: Any) -> None:
                 opts["engine"],
                 config,
                 ws,
-                listen,
+                opts["listen"],
                 opts["http_listen"],
                 ready_file=ready_file,
                 kv=kv,
@@ -405,22 +536,28 @@ def run(**opts: Any) -> None:
                 dynamo=dynamo,
             )
         )
-    except (StartupError, EngineConfigError, BaseExceptionGroup) as err:
+    except (StartupError, BaseExceptionGroup) as err:
         leaf = _lone_leaf(err)
-        if isinstance(leaf, EngineConfigError):
-            raise click.BadParameter(str(leaf), param_hint="--engine") from None
         if isinstance(leaf, StartupError):
             click.echo(f"openengine-sidecar: {leaf}", err=True)
             sys.exit(1)
         raise
 
 
-def _lora_root(value: str | None) -> str | None:
-    if value is None:
+def _tls(cert: str | None, key: str | None) -> tuple[str, str] | None:
+    """Both PEM files or neither; loaded once here, so unusable material is a usage error."""
+    if bool(cert) != bool(key):
+        raise click.BadParameter("give both --tls-cert and --tls-key", param_hint="--tls-cert/--tls-key")
+    if cert is None or key is None:
         return None
-    if not value.startswith("/"):
-        raise click.BadParameter("must be an absolute path", param_hint="--lora-root")
-    return os.path.normpath(value)
+    try:
+        _server_ssl_context((cert, key))
+    except (ssl.SSLError, OSError) as err:
+        reason = getattr(err, "reason", None) or getattr(err, "strerror", None) or str(err)
+        raise click.BadParameter(
+            f"cannot load {cert} / {key}: {reason}", param_hint="--tls-cert/--tls-key"
+        ) from None
+    return cert, key
 
 
 def _lone_leaf(exc: BaseException) -> BaseException:

@@ -18,7 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent / "sidecar"
 RANK: dict[str, int] = {
     "nursery": 0,
     "metrics": 0,
-    "cli_options": 0,
+    "logs": 0,
+    "cli_common": 1,
+    "cli_options": 2,
     "childproc": 0,
     "sdnotify": 0,
     "quoting": 0,

@@ -12,15 +12,31 @@ import click
 import msgspec
 import trio
 
-from sidecar.cli_options import option, read_token_file
+from sidecar.cli_options import EXISTING_FILE, Seconds, command_option, read_token
 from sidecar.client.disagg import DisaggFlow, open_disagg
-from sidecar.client.sidecar_client import SidecarConnectionError, SidecarStream, open_sidecar
+from sidecar.client.sidecar_client import SidecarConnectionError, SidecarStream, open_sidecar, sidecar_url
 from sidecar.north import wire
 
 #: Exit status after a Ctrl-C that cancelled the stream (128 + SIGINT, as shells report it).
 EXIT_INTERRUPTED = 130
 
 _encode_json = msgspec.json.Encoder().encode
+
+
+class SidecarUrl(click.ParamType):
+    """A sidecar's WebSocket URL (``ws://``/``wss://``; ``HOST:PORT`` means ``ws://HOST:PORT``)."""
+
+    name = "url"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        try:
+            sidecar_url(str(value))
+        except ValueError as err:
+            self.fail(str(err), param, ctx)
+        return str(value)
+
+
+SIDECAR_URL = SidecarUrl()
 
 
 async def _cancel_on_sigint(stream: SidecarStream, err: TextIO, interrupted: list[bool]) -> None:
@@ -114,43 +130,49 @@ def _describe(error: wire.ErrorBody | None) -> str:
     return f"{error.code}: {error.message}{retry}"
 
 
-_CLIENT_OPTIONS = [
-    option("--max-tokens", type=click.IntRange(min=1), default=None, help="Stop after this many tokens."),
-    option("--model", default=None, help="Served model name or alias (default: the sidecar's model)."),
-    option("--json", "as_json", is_flag=True, help="Print each event and the end as JSON lines."),
-    option(
-        "--encoding",
-        type=click.Choice(["json", "msgpack"]),
-        default="json",
-        show_default=True,
-        help="Frame encoding on the WebSocket(s).",
-    ),
-    option(
-        "--auth-token-file",
-        type=click.Path(exists=True, dir_okay=False),
-        default=None,
-        help="File holding the sidecar's bearer token (for a sidecar run with --auth-token-file).",
-    ),
-]
+def client_options(command: str) -> Any:
+    """The flags ``generate`` and ``disagg`` share (each reading its own variables)."""
+    option = command_option(command)
+    decorators = [
+        option("--max-tokens", type=click.IntRange(min=1), default=None, help="Stop after this many tokens."),
+        option("--model", default=None, help="Served model name or alias (default: the sidecar's model)."),
+        option("--json", "as_json", is_flag=True, help="Print each event and the end as JSON lines."),
+        option(
+            "--encoding",
+            type=click.Choice(["json", "msgpack"]),
+            default="json",
+            show_default=True,
+            help="Frame encoding on the WebSocket(s).",
+        ),
+        option(
+            "--auth-token-file",
+            "auth_token",
+            type=EXISTING_FILE,
+            callback=read_token,
+            default=None,
+            help="File holding the sidecar's bearer token (for a sidecar run with --auth-token-file).",
+        ),
+    ]
 
+    def apply(f: Any) -> Any:
+        for decorator in reversed(decorators):
+            f = decorator(f)
+        return f
 
-def client_options(f: Any) -> Any:
-    """The flags ``generate`` and ``disagg`` share."""
-    for decorator in reversed(_CLIENT_OPTIONS):
-        f = decorator(f)
-    return f
+    return apply
 
 
 @click.command("generate")
 @click.argument("prompt")
-@option(
+@command_option("generate")(
     "--sidecar",
     "sidecar_url",
+    type=SIDECAR_URL,
     default="ws://127.0.0.1:8600",
     show_default=True,
     help="Sidecar WebSocket URL (ws:// or wss://; /v1/ws is added when the URL has no path).",
 )
-@client_options
+@client_options("generate")
 def generate(
     prompt: str,
     sidecar_url: str,
@@ -158,7 +180,7 @@ def generate(
     model: str | None,
     as_json: bool,
     encoding: str,
-    auth_token_file: str | None,
+    auth_token: str | None,
 ) -> None:
     """Stream a completion of PROMPT from a running sidecar.
 
@@ -166,21 +188,17 @@ def generate(
     to confirm; a second Ctrl-C exits at once. Exit status: 0 completed, 1 failed or
     rejected (the error is printed), 130 cancelled by Ctrl-C.
     """
-    token = read_token_file(auth_token_file)
-    try:
-        status = trio.run(
-            lambda: run_generate(
-                sidecar_url,
-                prompt,
-                max_tokens=max_tokens,
-                model=model,
-                as_json=as_json,
-                encoding=encoding,
-                auth_token=token,
-            )
+    status = trio.run(
+        lambda: run_generate(
+            sidecar_url,
+            prompt,
+            max_tokens=max_tokens,
+            model=model,
+            as_json=as_json,
+            encoding=encoding,
+            auth_token=auth_token,
         )
-    except ValueError as error:  # a malformed --sidecar URL
-        raise click.BadParameter(str(error), param_hint="--sidecar") from None
+    )
     sys.exit(status)
 
 
@@ -288,25 +306,27 @@ async def run_disagg(
 
 @click.command("disagg")
 @click.argument("prompt")
-@option(
+@command_option("disagg")(
     "--prefill",
     "prefill_urls",
+    type=SIDECAR_URL,
     multiple=True,
     required=True,
     help="Prefill sidecar WebSocket URL (repeatable: tried in order, the next when one is "
     "unreachable or refuses with a retryable error).",
 )
-@option(
+@command_option("disagg")(
     "--decode",
     "decode_urls",
+    type=SIDECAR_URL,
     multiple=True,
     required=True,
     help="Decode sidecar WebSocket URL (repeatable, tried in order).",
 )
-@client_options
-@option(
+@client_options("disagg")
+@command_option("disagg")(
     "--connect-timeout",
-    type=click.FloatRange(min=0.1),
+    type=Seconds(),
     default=5.0,
     show_default=True,
     help="Seconds to connect to and describe one sidecar before trying the next.",
@@ -320,7 +340,7 @@ def disagg(
     as_json: bool,
     encoding: str,
     connect_timeout: float,
-    auth_token_file: str | None,
+    auth_token: str | None,
 ) -> None:
     """Generate PROMPT with prefill/decode disaggregation across sidecars.
 
@@ -330,21 +350,17 @@ def disagg(
     The decode's text goes to stdout. Ctrl-C cancels both sides and waits for them; a second
     Ctrl-C exits at once. Exit status: 0 completed, 1 failed or rejected, 130 cancelled by Ctrl-C.
     """
-    token = read_token_file(auth_token_file)
-    try:
-        status = trio.run(
-            lambda: run_disagg(
-                prefill_urls,
-                decode_urls,
-                prompt,
-                max_tokens=max_tokens,
-                model=model,
-                as_json=as_json,
-                encoding=encoding,
-                connect_timeout=connect_timeout,
-                auth_token=token,
-            )
+    status = trio.run(
+        lambda: run_disagg(
+            prefill_urls,
+            decode_urls,
+            prompt,
+            max_tokens=max_tokens,
+            model=model,
+            as_json=as_json,
+            encoding=encoding,
+            connect_timeout=connect_timeout,
+            auth_token=auth_token,
         )
-    except ValueError as error:  # a malformed URL
-        raise click.BadParameter(str(error), param_hint="--prefill/--decode") from None
+    )
     sys.exit(status)

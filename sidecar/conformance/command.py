@@ -16,7 +16,7 @@ import click
 import trio
 import trio_asyncio
 
-from sidecar.cli_options import option
+from sidecar.cli_options import ENGINE_ADDRESS, SECONDS, NewFile, absolute_path, command_option
 from sidecar.conformance.context import SuiteOptions
 from sidecar.conformance.progress import LineProgress
 from sidecar.conformance.report import format_check_list, format_table
@@ -27,6 +27,8 @@ __all__ = ["conformance", "run_conformance"]
 EXIT_FAILED = 1
 EXIT_NOT_RUN = 2
 EXIT_INTERRUPTED = 130
+
+option = command_option("conformance")
 
 
 async def run_conformance(options: SuiteOptions, out: TextIO) -> Report | SuiteError | ValueError:
@@ -42,6 +44,7 @@ async def run_conformance(options: SuiteOptions, out: TextIO) -> Report | SuiteE
 @click.command("conformance")
 @option(
     "--engine",
+    type=ENGINE_ADDRESS,
     default=None,
     metavar="ADDR",
     help="Engine to check: host:port, http://host:port or unix:///path.",
@@ -54,11 +57,18 @@ async def run_conformance(options: SuiteOptions, out: TextIO) -> Report | SuiteE
 )
 @option(
     "--prefill",
+    type=ENGINE_ADDRESS,
     default=None,
     metavar="ADDR",
     help="Prefill engine of a P/D pair (with --decode): runs pd.handoff.",
 )
-@option("--decode", default=None, metavar="ADDR", help="Decode engine of a P/D pair (with --prefill).")
+@option(
+    "--decode",
+    type=ENGINE_ADDRESS,
+    default=None,
+    metavar="ADDR",
+    help="Decode engine of a P/D pair (with --prefill).",
+)
 @option(
     "--only",
     multiple=True,
@@ -76,7 +86,7 @@ async def run_conformance(options: SuiteOptions, out: TextIO) -> Report | SuiteE
     "json_path",
     default=None,
     metavar="REPORT",
-    type=click.Path(dir_okay=False, allow_dash=True),
+    type=NewFile(allow_dash=True),
     help="Write the JSON report to REPORT ('-' = stdout; the table then goes to stderr).",
 )
 @option(
@@ -88,13 +98,19 @@ async def run_conformance(options: SuiteOptions, out: TextIO) -> Report | SuiteE
 @option(
     "--lora-path",
     default=None,
+    callback=absolute_path,
     metavar="PATH",
     help="Absolute adapter directory the engine can load (lora.lifecycle).",
 )
 @option(
-    "--check-timeout", type=float, default=None, help="Seconds allowed per check (default: each check's own)."
+    "--check-timeout",
+    type=SECONDS,
+    default=None,
+    help="Seconds allowed per check (default: each check's own).",
 )
-@option("--connect-timeout", type=float, default=5.0, show_default=True, help="Seconds to reach each engine.")
+@option(
+    "--connect-timeout", type=SECONDS, default=5.0, show_default=True, help="Seconds to reach each engine."
+)
 @option("--list", "list_only", is_flag=True, default=False, help="List the checks and exit.")
 def conformance(
     engine: str | None,

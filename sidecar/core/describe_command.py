@@ -16,11 +16,11 @@ import msgspec
 import trio
 import trio_asyncio
 
-from sidecar.cli_options import option
+from sidecar.cli_options import ENGINE_ADDRESS, SECONDS, command_option
 from sidecar.core.card import EndpointCard, LogprobCard, ModelCard, WorkerCard, card_to_json
 from sidecar.core.discovery import discover
 from sidecar.core.errors import DiscoveryError, NegotiationError
-from sidecar.core.schema_options import schema_options
+from sidecar.core.schema_options import schema_options_for
 from sidecar.openengine.client import open_engine_client
 from sidecar.openengine.errors import EngineClientError, EngineConfigError, EngineUnavailable
 
@@ -227,16 +227,24 @@ def format_card(card: WorkerCard) -> str:
 # --------------------------------------------------------------------------- command
 
 
+option = command_option("describe")
+
+
 @click.command("describe")
-@option("--engine", required=True, help="Engine address: host:port, http://host:port or unix:///path.")
+@option(
+    "--engine",
+    type=ENGINE_ADDRESS,
+    required=True,
+    help="Engine address: host:port, http://host:port or unix:///path.",
+)
 @option("--json", "as_json", is_flag=True, default=False, help="Print the worker card as JSON.")
 @option("--model", default=None, help="Describe only this model (served name or alias).")
 @option(
-    "--connect-timeout", type=float, default=5.0, show_default=True, help="Seconds to wait for the engine."
+    "--connect-timeout", type=SECONDS, default=5.0, show_default=True, help="Seconds to wait for the engine."
 )
-@option("--timeout", type=float, default=30.0, show_default=True, help="Seconds for the whole discovery.")
+@option("--timeout", type=SECONDS, default=30.0, show_default=True, help="Seconds for the whole discovery.")
 @option("--expected-engine", default=None, help="Fail unless the engine reports this name.")
-@schema_options
+@schema_options_for("describe")
 def describe(
     engine: str,
     as_json: bool,

@@ -31,6 +31,7 @@ import trio
 
 from sidecar.core import metrics
 from sidecar.core.errors import Rejection, error_code_name
+from sidecar.logs import log_context
 from sidecar.openengine import pb
 from sidecar.openengine.client import EngineClient
 from sidecar.openengine.errors import (
@@ -289,6 +290,12 @@ class StreamSupervisor:
         raises :class:`ClientGone` when the client left. Raises nothing but the ``Cancelled``
         of an enclosing scope — and even then the upstream is closed and aborted first.
         """
+        with log_context(request_id=handle.request_id):
+            return await self._run(handle, emit)
+
+    async def _run(
+        self, handle: StreamHandle, emit: Callable[[pb.GenerateResponse], Awaitable[None]]
+    ) -> Outcome:
         relay = _Relay(handle, emit, self.config, self.progress)
         try:
             with handle.scope:
@@ -318,31 +325,29 @@ class StreamSupervisor:
     # -- abort -----------------------------------------------------------------------------
 
     async def abort(self, request_id: str) -> None:
-        """Abort ``request_id`` on the engine: shielded, bounded, retried in the background.
+        """Abort ``request_id`` on the engine: shielded, retried in the background.
 
-        Returns after the first attempt (or ``abort_timeout``); a retryable failure hands the
+        Returns within ``abort_timeout`` — waiting for a slot and the first attempt together
+        (``stop_budget`` relies on it); a retryable failure, or no attempt in time, hands the
         request to the background retrier.
         """
         with trio.CancelScope(shield=True):
             # Bounded concurrency (a mass disconnect queues here instead of timing out thousands
-            # of concurrent calls); the attempt's timeout starts once it has a slot. No slot
-            # within abort_timeout: the background retrier takes it, so the end is not delayed.
+            # of concurrent calls). No slot, or no answer, within abort_timeout: the background
+            # retrier takes it, so the end is not delayed.
             slot = False
             with trio.move_on_after(self.config.abort_timeout):
                 await self._abort_slots.acquire()
                 slot = True
-            if slot:
                 try:
-                    with trio.move_on_after(self.config.abort_timeout):
-                        try:
-                            metrics.child(metrics.ABORTS, await self._abort_once(request_id)).inc()
-                            return
-                        except _RetryableAbort:
-                            pass
-                        except EngineClientError as err:
-                            metrics.child(metrics.ABORTS, "failed").inc()
-                            log.warning("abort of %s failed: %s", quote(request_id), err)
-                            return
+                    metrics.child(metrics.ABORTS, await self._abort_once(request_id)).inc()
+                    return
+                except _RetryableAbort:
+                    pass
+                except EngineClientError as err:
+                    metrics.child(metrics.ABORTS, "failed").inc()
+                    log.warning("abort of %s failed: %s", quote(request_id), err)
+                    return
                 finally:
                     self._abort_slots.release()
             if self._retry_nursery is not None:

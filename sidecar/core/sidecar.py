@@ -28,6 +28,7 @@ from sidecar.core.handoff import KvSessionRelease, abort_kv_session_bytes
 from sidecar.core.health import SERVING_HEALTH, EngineState, HealthStatus, ask_engine, state_name
 from sidecar.core.lifecycle import CANCELLED, LifecycleConfig, Outcome, StreamHandle, StreamSupervisor
 from sidecar.core.load import MalformedLoadInfo, attributes_dict, split_load_info
+from sidecar.core.shutdown import stop_budget
 from sidecar.openengine import pb
 from sidecar.openengine.client import EngineClient, Keepalive
 from sidecar.openengine.errors import EngineClientError, EngineStatusError
@@ -108,7 +109,8 @@ class Sidecar:
         )
         self.supervisor.progress.on_change = self._readiness_changed
         self.load = LoadTracker(stale_after=self.config.load_stale_after)
-        self.card: WorkerCard | None = None
+        self._card: WorkerCard | None = None
+        self._changed = trio.Event()
         self.engine_state: EngineState = "unknown"  # sidecar.core.health's vocabulary
         self.problem: str | None = "starting"  # blocks serving when set
         #: Why a serving plane (e.g. Dynamo's) cannot be reached by its clients; shown by
@@ -158,19 +160,46 @@ class Sidecar:
         if problem is None:
             if self.plane_problems.pop(plane, None) is not None:
                 log.info("%s plane serving again", plane)
+                self._notify_change()
         elif self.plane_problems.get(plane) != problem:
             self.plane_problems[plane] = problem
             log.warning("not ready: %s", problem)
+            self._notify_change()
         metrics.READY.set(1 if self.not_ready_reason() is None else 0)
 
-    def _set_problem(self, problem: str | None) -> None:
+    def _set_problem(self, problem: str | None, *, announce: bool = True) -> None:
+        """Record why the sidecar cannot serve (None: it can). ``announce`` False at startup:
+        ``run`` says "ready" itself once every listener is bound."""
         if problem != self.problem:
-            if problem is None:
+            if problem is None and announce:
                 log.info("ready: serving %s", self._engine_label())
-            else:
+            elif problem is not None:
                 log.warning("not ready: %s", problem)
+            self._notify_change()
         self.problem = problem
         metrics.READY.set(1 if self.not_ready_reason() is None else 0)
+
+    # -- changes (readiness, card) -----------------------------------------------------------
+
+    @property
+    def card(self) -> WorkerCard | None:
+        """The worker card (None before discovery); replacing it wakes :meth:`changes` waiters."""
+        return self._card
+
+    @card.setter
+    def card(self, card: WorkerCard | None) -> None:
+        if card is not self._card:
+            self._card = card
+            self._notify_change()
+
+    def changes(self) -> trio.Event:
+        """An event set at the next change of readiness or of the card. Take it *before*
+        reading the state it guards, then wait on it (no change can slip in between)."""
+        return self._changed
+
+    def _notify_change(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
 
     def _engine_label(self) -> str:
         if self.card is None:
@@ -325,7 +354,7 @@ class Sidecar:
                 self.card = card
                 self.engine_state = state_name(health.state)
                 if health.state in SERVING_HEALTH:
-                    self._set_problem(None)
+                    self._set_problem(None, announce=False)
                     return card
                 last = f"engine health is {self.engine_state}"
             except DiscoveryError as err:
@@ -427,10 +456,10 @@ class Sidecar:
                     continue
                 self.engine_state = "unreachable"
                 if not lost:
-                    log.warning("engine at %s lost: %s", self.engine.address, err or "no answer in time")
+                    log.warning("engine at %s lost: %s", self.engine.address, str(err) or "no answer in time")
                 lost = True
                 self.supervisor.engine_reachable.close()  # background Aborts wait for it
-                self._set_problem(f"engine unreachable: {err or 'no answer in time'}")
+                self._set_problem(f"engine unreachable: {str(err) or 'no answer in time'}")
                 await trio.sleep(delay)
                 delay = min(delay * 2, cfg.reconnect_max)
 
@@ -485,9 +514,7 @@ class Sidecar:
         """Refuse new work (DRAINING), let admitted streams finish within ``drain_timeout``,
         then cancel (and abort) the rest. With ``drain_engine``, also ask the engine to drain."""
         cfg = self.config
-        self.supervisor.draining = True
-        metrics.DRAINING.set(1)
-        metrics.READY.set(0)
+        self.start_draining()
         active = len(self.supervisor.streams)
         log.info("draining: %d stream(s) in flight, grace %.0fs", active, cfg.drain_timeout)
         async with trio.open_nursery() as nursery:
@@ -497,11 +524,23 @@ class Sidecar:
                 await self.supervisor.wait_idle()
             if self.supervisor.streams:
                 log.warning("drain deadline: cancelling %d stream(s)", len(self.supervisor.streams))
-                self.supervisor.cancel_all(OUTCOME_DRAIN_DEADLINE)
-                with trio.move_on_after(cfg.lifecycle.abort_timeout + 1):
-                    await self.supervisor.wait_idle()
+                await self.stop_streams(OUTCOME_DRAIN_DEADLINE)
             nursery.cancel_scope.cancel()
         log.info("drained")
+
+    def start_draining(self) -> None:
+        """Refuse new work from now on (``DRAINING``); ``/ready`` turns 503."""
+        self.supervisor.draining = True
+        metrics.DRAINING.set(1)
+        metrics.READY.set(0)
+        self._notify_change()
+
+    async def stop_streams(self, reason: Outcome) -> None:
+        """Cancel every stream still running and wait for them to end (each sends its Abort):
+        at most :func:`~sidecar.core.shutdown.stop_budget` seconds."""
+        self.supervisor.cancel_all(reason)
+        with trio.move_on_after(stop_budget(self.config.lifecycle.abort_timeout)):
+            await self.supervisor.wait_idle()
 
     async def _drain_engine(self) -> None:
         compat = self.card.compatibility if self.card is not None else None

@@ -75,6 +75,7 @@ _OPTIONS = [
         show_default=True,
         envvar=_envs("--dynamo-request-plane", "DYN_REQUEST_PLANE"),
         show_envvar=True,
+        help="How Dynamo's routers send requests to this worker.",
     ),
     option(
         "--dynamo-event-plane",
@@ -83,6 +84,7 @@ _OPTIONS = [
         show_default=True,
         envvar=_envs("--dynamo-event-plane", "DYN_EVENT_PLANE"),
         show_envvar=True,
+        help="How KV events and other Dynamo events are published.",
     ),
     option(
         "--dynamo-model-path",

@@ -10,7 +10,8 @@ Started by ``run --dynamo`` in the root nursery, beside the WebSocket plane:
     ├─ KV relay: one Dynamo ``KvEventPublisher`` per DP rank, in ZMQ relay mode, subscribed
     │  to this sidecar's own vLLM-format publisher of that rank
     └─ routability watch: leaves Dynamo's discovery while the engine is not ready, rejoins
-       when it is back; follows loaded/unloaded LoRA adapters
+       when it is back; follows loaded/unloaded LoRA adapters (woken by the sidecar's
+       change event, ``Sidecar.changes``; a failed update is retried after ``RETRY_DELAY``)
 
 Before the runtime is built, etcd (and NATS, when a plane uses it) must accept connections
 (``reachability.py``: an asynchronous wait with progress lines, bounded by
@@ -26,15 +27,17 @@ side (the WebSocket plane never stops; Dynamo streams end with their request str
 planes stay unreachable for ``--startup-deadline``, the plane raises ``StartupError`` and the
 process exits 1 for its supervisor — never a live worker nobody can discover.
 
-:meth:`DynamoPlane.leave` (called on SIGTERM, before the drain) removes the endpoint
-instance and the model registrations, so Dynamo routes no new work here, then waits
-``unregister_grace`` for routers to notice. Resources: the runtime is shut down when the
+:meth:`DynamoPlane.leave` (the first step of ``run``'s stop, before the drain; a second
+signal cancels it) removes the endpoint instance and the model registrations, so Dynamo
+routes no new work here, then waits ``unregister_grace`` for routers to notice: at most
+:attr:`DynamoPlane.leave_budget` seconds. Resources: the runtime is shut down when the
 plane's task is cancelled. Errors at startup raise ``StartupError`` (one line).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from functools import partial
 from typing import Any
 
@@ -59,7 +62,10 @@ log = logging.getLogger(__name__)
 
 #: Bound of one call into Dynamo's runtime (registration, unregistration).
 CALL_TIMEOUT = 30.0
-WATCH_INTERVAL = 0.5
+#: Bound of all the unregistration calls when leaving (stopping).
+LEAVE_TIMEOUT = 10.0
+#: Seconds before a failed discovery update (leave / rejoin / LoRA) is tried again.
+RETRY_DELAY = 1.0
 #: Pause between two attempts to rebuild a lost runtime (doubling up to ``REBUILD_MAX``).
 REBUILD_PAUSE = 0.5
 REBUILD_MAX = 5.0
@@ -397,17 +403,21 @@ class DynamoPlane:
             log.info("Dynamo: %s %s", "rejoined" if routable else "left", self.path)
 
     async def _watch(self) -> None:
-        """Follow engine readiness (leave / rejoin discovery) and loaded LoRA adapters."""
-        while True:
-            await trio.sleep(WATCH_INTERVAL)
-            if self.left:
-                continue
-            reason = self.sidecar.engine_not_ready_reason()
+        """Follow engine readiness (leave / rejoin discovery) and loaded LoRA adapters: on
+        every change the sidecar reports (readiness, card, a plane problem set or cleared — a
+        rebuilt runtime clears its own), and again after ``RETRY_DELAY`` when an update failed."""
+        while not self.left:
+            changed = self.sidecar.changes()  # before reading the state it guards
+            retry = False
             try:
-                await self._set_routable(reason is None)
+                await self._set_routable(self.sidecar.engine_not_ready_reason() is None)
                 await self._sync_loras()
             except (Exception, trio.TooSlowError) as err:
                 log.warning("Dynamo: discovery update failed: %s", err)
+                retry = True
+            with trio.move_on_after(RETRY_DELAY if retry else math.inf):
+                await changed.wait()
+        await trio.sleep_forever()  # left: the plane's task ends when it is cancelled
 
     async def _sync_loras(self) -> None:
         card = self.sidecar.card
@@ -426,10 +436,15 @@ class DynamoPlane:
             self._loras.discard(name)
             log.info("Dynamo: unregistered LoRA %s", name)
 
+    @property
+    def leave_budget(self) -> float:
+        """Most seconds :meth:`leave` takes (part of ``run``'s stop deadline)."""
+        return LEAVE_TIMEOUT + self.config.unregister_grace
+
     async def leave(self) -> None:
         """Stop being routable in Dynamo (endpoint instance and model cards), then wait the grace.
 
-        Bounded; failures are logged (the drain goes on regardless).
+        Bounded by :attr:`leave_budget`; failures are logged (the drain goes on regardless).
         """
         if self.left:
             return
@@ -437,7 +452,7 @@ class DynamoPlane:
         if self.endpoint is None:
             log.info("Dynamo: leaving while not registered (runtime being rebuilt)")
             return
-        with trio.move_on_after(CALL_TIMEOUT):
+        with trio.move_on_after(LEAVE_TIMEOUT):
             try:
                 async with self._lock:
                     if self.routable:
@@ -451,27 +466,6 @@ class DynamoPlane:
                 log.warning("Dynamo: leaving discovery failed: %s", err)
         log.info("Dynamo: left %s; draining in %.1fs", self.path, self.config.unregister_grace)
         await trio.sleep(self.config.unregister_grace)
-
-
-class _LeaveFirst:
-    """Signal iterator: on the first signal, leave Dynamo before the drain sees it."""
-
-    def __init__(self, signals: Any, plane: DynamoPlane) -> None:
-        self.signals = signals
-        self.plane = plane
-
-    def __aiter__(self) -> _LeaveFirst:
-        return self
-
-    async def __anext__(self) -> Any:
-        sig = await self.signals.__anext__()
-        await self.plane.leave()
-        return sig
-
-
-def leave_before_drain(signals: Any, plane: DynamoPlane | None) -> Any:
-    """``signals``, or a wrapper that leaves Dynamo on the first signal (``run``'s drain)."""
-    return signals if plane is None else _LeaveFirst(signals, plane)
 
 
 async def start_dynamo_plane(

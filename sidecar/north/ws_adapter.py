@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import trio
@@ -170,12 +171,15 @@ async def serve(
     handshake_timeout: float,
     disconnect_timeout: float = 5.0,
     limits: PeerLimits | None = None,
+    handler_nursery: trio.Nursery | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve WebSocket connections of :class:`SidecarWebSocket` until cancelled; ``started``
     with the listening port. ``handler`` runs once per accepted handshake, with the peer read
     at accept; whatever it (or the connection) raises is logged and ends that connection only.
-    ``limits``: connections over them are refused at accept (``sidecar.north.peers``)."""
+    ``limits``: connections over them are refused at accept (``sidecar.north.peers``).
+    Connections run in ``handler_nursery`` when given (they then outlive the listener:
+    ``trio.serve_listeners``)."""
     listeners: list[Any]
     if ssl_context is None:
         listeners = list(await trio.open_tcp_listeners(port, host=host))
@@ -214,7 +218,9 @@ async def serve(
             await trio.aclose_forcefully(stream)
 
     async with trio.open_nursery() as nursery:
-        await nursery.start(trio.serve_listeners, connection, listeners)
+        await nursery.start(
+            partial(trio.serve_listeners, handler_nursery=handler_nursery), connection, listeners
+        )
         task_status.started(_port(listeners[0]))
 
 

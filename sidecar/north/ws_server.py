@@ -35,6 +35,7 @@ from sidecar.core.lifecycle import (
     Outcome,
     StreamHandle,
 )
+from sidecar.logs import log_context
 from sidecar.north import codec, ws_adapter
 from sidecar.north.auth import bearer_matches
 from sidecar.north.codec import Encoding
@@ -152,7 +153,20 @@ class Connection:
     """One client connection: reader, single writer, per-stream tasks (see module doc).
 
     ``coalesce``: the client opted in to ``events`` frames (``/v1/ws?coalesce=1``); the
-    writer then merges the event frames it finds queued together."""
+    writer then merges the event frames it finds queued together.
+
+    Task tree (:meth:`serve`)::
+
+        connection nursery ── writer (in ``_writing``)
+        └─ streams nursery ── reader (in ``_reading``), one task per stream or call
+
+    The connection ends by cancelling what owns its parts: ``_reading`` when the client left,
+    a fault closed the connection, or the sidecar is closing (:meth:`finish`); its streams are
+    then ended through their handles, the streams nursery waits for them (each sends its
+    Abort and queues its ``end``), and the writer sends what they queued and closes.
+    ``_writing`` is cancelled when nothing more can be sent on a fault. ``closed`` (set in
+    :meth:`_stop_sending` only) tells senders, also those waiting for room, to give up.
+    """
 
     def __init__(
         self,
@@ -176,12 +190,9 @@ class Connection:
         self.streams: dict[str | int, StreamHandle] = {}
         #: Ids of the calls not answered yet (a call reusing one is refused, see ``id_in_use``).
         self.calls: set[str | int] = set()
-        self.closed = False
-        self._scope = trio.CancelScope()
-        self._writer_done = trio.Event()
-        self._running = 0  # stream tasks that have not queued their end yet
-        self._all_ended = trio.Event()
-        self._all_ended.set()
+        self.closed = False  # nothing more can be sent (_stop_sending)
+        self._reading = trio.CancelScope()
+        self._writing = trio.CancelScope()
         self._calls = 0  # call tasks in progress
         self._queued_frames = 0
         self._queued_bytes = 0
@@ -192,31 +203,30 @@ class Connection:
         self._noted: dict[str, int] = {}
 
     async def serve(self) -> None:
+        """Serve the connection until it ends (class doc)."""
         metrics.CONNECTIONS.inc()
         try:
-            # Stream tasks live outside the reader/writer scope: however the connection ends
-            # (client gone, stall, undecodable frame), each stream is ended through its own
-            # handle, so it still closes its upstream, sends its Abort and counts its outcome.
-            async with trio.open_nursery() as stream_nursery:
-                try:
-                    with self._scope:
-                        async with trio.open_nursery() as nursery:
-                            nursery.start_soon(self._writer)
-                            await self._reader(stream_nursery)
-                            nursery.cancel_scope.cancel()
-                finally:
-                    self.closed = True
+            async with trio.open_nursery() as connection:
+                connection.start_soon(self._writer)
+                async with trio.open_nursery() as streams:
+                    with self._reading:
+                        await self._reader(streams)
+                    # However reading ended, each stream is ended through its own handle, so it
+                    # still closes its upstream, sends its Abort and counts its outcome (a
+                    # stream already cancelled — drain, shutdown — keeps its first reason).
                     for handle in list(self.streams.values()):
                         handle.cancel(OUTCOME_CLIENT_GONE)
+                self.out_send.close()  # every stream has queued its end: the writer sends the rest
         finally:
-            self.closed = True
             metrics.CONNECTIONS.dec()
             for cause, count in self._noted.items():
                 if count > 1:
                     log.warning("client %s: %s %d times on this connection", self.peer.address, cause, count)
-            with trio.move_on_after(1) as cleanup:
-                cleanup.shield = True
-                await self.ws.aclose()
+
+    def finish(self) -> None:
+        """Graceful end (the sidecar is closing): stop reading; once the streams have ended,
+        what they queued is sent and the connection closes with 1001."""
+        self._reading.cancel()
 
     def _note(self, cause: str) -> bool:
         """Count an event of ``cause``; True the first time on this connection (log it then;
@@ -231,27 +241,37 @@ class Connection:
         # Everything queued since the last write goes out in one write (ws_batch): one
         # syscall per batch instead of per token event; each frame stays its own message.
         receive_nowait = self.out_recv.receive_nowait
-        try:
-            async for frame in self.out_recv:
-                batch = [frame]
-                while len(batch) < WRITE_BATCH:
-                    try:
-                        batch.append(receive_nowait())
-                    except (trio.WouldBlock, trio.EndOfChannel):
-                        break
-                # room for more while this batch is written (it is held until then: at most
-                # twice the queue's bounds in all)
-                self._queued_frames -= len(batch)
-                self._queued_bytes -= sum(map(len, batch))
-                self._wake_senders()
-                await self.batch.send(coalesce_queued(batch) if self.coalesce else batch)
-        except ConnectionClosed:
-            pass
-        finally:
-            self.closed = True
-            self._wake_senders()
-            self._writer_done.set()
-            self._scope.cancel()
+        with self._writing:
+            try:
+                async for frame in self.out_recv:
+                    batch = [frame]
+                    while len(batch) < WRITE_BATCH:
+                        try:
+                            batch.append(receive_nowait())
+                        except (trio.WouldBlock, trio.EndOfChannel):
+                            break
+                    # room for more while this batch is written (it is held until then: at most
+                    # twice the queue's bounds in all)
+                    self._queued_frames -= len(batch)
+                    self._queued_bytes -= sum(map(len, batch))
+                    self._wake_senders()
+                    await self.batch.send(coalesce_queued(batch) if self.coalesce else batch)
+            except (ConnectionClosed, trio.ClosedResourceError):
+                self._lost()
+                return
+            # The send side was closed after the last stream ended: a graceful end.
+            await self.ws.aclose(1001, "sidecar shutting down")
+
+    def _stop_sending(self) -> None:
+        """Nothing more can be sent: senders (also those waiting for room) get ClientGone."""
+        self.closed = True
+        self.out_recv.close()
+        self._wake_senders()
+
+    def _lost(self) -> None:
+        """The peer is gone: stop sending and reading; the streams then end."""
+        self._stop_sending()
+        self._reading.cancel()
 
     def _wake_senders(self) -> None:
         if self._waiting:
@@ -316,23 +336,15 @@ class Connection:
         except ClientGone:
             pass
 
-    async def finish(self) -> None:
-        """Graceful end (the sidecar is exiting): send what is queued, then close with 1001."""
-        while self._running:
-            await self._all_ended.wait()
-        self.out_send.close()  # the writer sends the rest, then stops
-        await self._writer_done.wait()
-        await self._close(1001, "sidecar shutting down")
-
     async def _close(self, code: int, reason: str, grace: float = 1.0) -> None:
-        """Close with ``code`` (shielded, at most ``grace`` seconds; then the TCP connection is
-        dropped and the peer sees 1006)."""
-        self.closed = True
-        self._wake_senders()
+        """Close with ``code`` on a fault (shielded, at most ``grace`` seconds; then the TCP
+        connection is dropped and the peer sees 1006); the connection then ends."""
+        self._stop_sending()
         with trio.move_on_after(grace) as scope:
             scope.shield = True
             await self.ws.aclose(code, reason)
-        self._scope.cancel()
+        self._reading.cancel()
+        self._writing.cancel()
 
     # -- receiving -------------------------------------------------------------------------
 
@@ -341,6 +353,7 @@ class Connection:
             try:
                 frame = await self.ws.get_message()
             except ConnectionClosed:
+                self._lost()  # the client left: its streams end, nothing more is sent
                 return
             try:
                 cmd = codec.decode_frame(frame)
@@ -431,8 +444,6 @@ class Connection:
         cmd.request = handle.request  # admitted (request_id filled, names resolved)
         handle.request = codec.engine_request(cmd)  # + client kvSessionBytes, byte for byte
         self.streams[cmd.stream] = handle
-        self._running += 1
-        self._all_ended = trio.Event() if self._all_ended.is_set() else self._all_ended
         nursery.start_soon(self._run_stream, cmd.stream, cmd.encoding, handle)
 
     async def _run_stream(self, stream_id: str | int, encoding: Encoding, handle: StreamHandle) -> None:
@@ -444,17 +455,13 @@ class Connection:
             await send(encoder.encode(ev, kv_session_bytes=getattr(ev, "raw_kv_session", None)))
 
         try:
-            try:
+            with log_context(stream=stream_id):
                 outcome = await self.host.run_stream(handle, emit)
-            finally:
-                del self.streams[stream_id]
-                if self.limits is not None:
-                    self.limits.close_stream(self.peer.key)
-            await self.send_final(self._end_frame(stream_id, outcome, encoding))
         finally:
-            self._running -= 1
-            if not self._running:
-                self._all_ended.set()
+            del self.streams[stream_id]
+            if self.limits is not None:
+                self.limits.close_stream(self.peer.key)
+        await self.send_final(self._end_frame(stream_id, outcome, encoding))
 
     @staticmethod
     def _end_frame(stream_id: str | int, outcome: Outcome, encoding: Encoding) -> str | bytes:
@@ -482,8 +489,11 @@ class Connection:
 class NorthPlane:
     """The WebSocket listener and its open connections.
 
-    ``serve`` accepts connections until cancelled; ``close_gracefully`` (after a drain) lets
-    every connection flush what it queued — the last ``end`` frames — then closes it (1001).
+    ``serve`` accepts connections until :meth:`close` (or until cancelled); :meth:`close` stops
+    accepting and asks every connection to finish: stop reading, let its streams end, send its
+    last frames (the ``end`` frames) and close with 1001. ``serve`` returns once the last
+    connection has ended (:meth:`wait_closed`); the caller bounds that wait and cancels
+    ``serve`` — the nursery that owns every connection — at its deadline.
     """
 
     def __init__(self, host: StreamHost, config: WsConfig | None = None, *, ssl_context: Any = None) -> None:
@@ -492,11 +502,13 @@ class NorthPlane:
         self.ssl_context = ssl_context
         self.connections: set[Connection] = set()
         self.limits: PeerLimits | None = None
+        self._accepting = trio.CancelScope()
+        self._closed = trio.Event()
 
     async def serve(
         self, listen_host: str, listen_port: int, *, task_status: Any = trio.TASK_STATUS_IGNORED
     ) -> None:
-        """Serve until cancelled; ``task_status.started(port)`` once listening."""
+        """Serve until closed and every connection ended, or cancelled; ``task_status.started(port)``."""
         cfg = self.config
         self.limits = limits = PeerLimits(
             fit_to_fd_limit(cfg.max_connections), cfg.max_connections_per_peer, cfg.max_streams_per_peer
@@ -512,29 +524,40 @@ class NorthPlane:
             ws = await request.accept()
             conn = Connection(ws, self.host, cfg, coalesce=_opted_in(request.path), peer=peer, limits=limits)
             self.connections.add(conn)
+            if self._accepting.cancel_called:
+                conn.finish()  # accepted as the plane was closing
             try:
                 await conn.serve()
             finally:
                 self.connections.discard(conn)
 
-        await ws_adapter.serve(
-            handler,
-            listen_host,
-            listen_port,
-            self.ssl_context,
-            max_message_size=cfg.max_message_size,
-            message_queue_size=cfg.message_queue_size,
-            handshake_timeout=cfg.handshake_timeout,
-            limits=limits,
-            task_status=task_status,
-        )
+        try:
+            async with trio.open_nursery() as connections:
+                with self._accepting:
+                    await ws_adapter.serve(
+                        handler,
+                        listen_host,
+                        listen_port,
+                        self.ssl_context,
+                        max_message_size=cfg.max_message_size,
+                        message_queue_size=cfg.message_queue_size,
+                        handshake_timeout=cfg.handshake_timeout,
+                        limits=limits,
+                        handler_nursery=connections,
+                        task_status=task_status,
+                    )
+        finally:
+            self._closed.set()
 
-    async def close_gracefully(self, timeout: float = 2.0) -> None:
-        """Flush every connection's queued frames, then close it with 1001 (going away)."""
-        with trio.move_on_after(timeout):
-            async with trio.open_nursery() as nursery:
-                for conn in list(self.connections):
-                    nursery.start_soon(conn.finish)
+    def close(self) -> None:
+        """Stop accepting; every connection finishes (class doc)."""
+        self._accepting.cancel()
+        for conn in list(self.connections):
+            conn.finish()
+
+    async def wait_closed(self) -> None:
+        """Return once ``serve`` has returned (every connection ended)."""
+        await self._closed.wait()
 
 
 def _opted_in(path: str) -> bool:

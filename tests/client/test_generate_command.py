@@ -118,7 +118,7 @@ def test_help_and_disagg_usage() -> None:
     runner = CliRunner()
     result = runner.invoke(main, ["generate", "--help"])
     assert result.exit_code == 0
-    for flag in ("--sidecar", "--max-tokens", "--model", "--json", "OPENENGINE_SIDECAR_SIDECAR"):
+    for flag in ("--sidecar", "--max-tokens", "--model", "--json", "OPENENGINE_SIDECAR_GENERATE_SIDECAR"):
         assert flag in result.output
     result = runner.invoke(main, ["disagg"])
     assert result.exit_code == 2 and "Missing argument" in result.output

@@ -6,58 +6,9 @@ from sidecar.core.card import card_to_json
 from sidecar.core.discovery import compare_cards, discover
 from sidecar.core.errors import DiscoveryError, NegotiationError
 from sidecar.openengine import pb
-from sidecar.openengine.errors import EngineStatusError, EngineUnavailable
+from sidecar.openengine.errors import EngineUnavailable
 
-from .shapes import R, sglang_info, trtllm_info, vllm_card, vllm_info
-
-
-def status(name: str) -> EngineStatusError:
-    return EngineStatusError(
-        name, {"UNIMPLEMENTED": 12, "NOT_FOUND": 5, "INTERNAL": 13}.get(name, 2), "x", None
-    )
-
-
-class FakeClient:
-    """Answers discovery calls from hand-built messages; ``fail`` maps a method to an exception."""
-
-    def __init__(
-        self,
-        shape: tuple[pb.ServerInfo, dict[str, pb.ModelInfo]],
-        *,
-        sources: list[pb.KvEventSource] | None = None,
-        loras: list[pb.LoraAdapter] | None = None,
-        fail: dict[str, Exception] | None = None,
-    ) -> None:
-        self.info, self.models = shape
-        self.sources = sources or []
-        self.loras = loras or []
-        self.fail = fail or {}
-        self.calls: list[str] = []
-
-    def _call(self, name: str) -> None:
-        self.calls.append(name)
-        if name in self.fail:
-            raise self.fail[name]
-
-    async def get_server_info(self) -> pb.ServerInfo:
-        self._call("GetServerInfo")
-        return self.info
-
-    async def get_model_info(self, model: str = "") -> pb.ModelInfo:
-        self._call(f"GetModelInfo:{model}")
-        if model not in self.models:
-            raise status("NOT_FOUND")
-        return self.models[model]
-
-    async def get_kv_event_sources(
-        self, request: pb.GetKvEventSourcesRequest | None = None
-    ) -> pb.GetKvEventSourcesResponse:
-        self._call("GetKvEventSources")
-        return pb.GetKvEventSourcesResponse(sources=self.sources)
-
-    async def list_loras(self) -> pb.ListLorasResponse:
-        self._call("ListLoras")
-        return pb.ListLorasResponse(adapters=self.loras)
+from .shapes import FakeClient, R, sglang_info, status, trtllm_info, vllm_card, vllm_info
 
 
 async def test_vllm_discovery_sequence() -> None:

@@ -11,7 +11,9 @@ from typing import Any
 
 import click
 
-from sidecar.cli_options import env_name
+from sidecar.cli_common import common_options
+from sidecar.core.shutdown import stop_timeout
+from sidecar.dynamo.plane import LEAVE_TIMEOUT
 from sidecar.run_command import run as run_command
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,9 +30,9 @@ def run_default(name: str) -> Any:
 
 
 def run_env_vars() -> set[str]:
-    """Every environment variable ``run`` (and the top-level group) reads."""
-    names = {env_name("--log-level")}
-    for param in run_command.params:
+    """Every environment variable ``run`` (and the options every subcommand takes) reads."""
+    names: set[str] = set()
+    for param in [*common_options(), *run_command.params]:
         if isinstance(param, click.Option):
             env = param.envvar
             names.update([env] if isinstance(env, str) else list(env or ()))
@@ -51,7 +53,9 @@ def default_ports() -> dict[str, int]:
     }
 
 
-def stop_budget(drain_timeout: float | None = None) -> float:
-    """Seconds a drain may take: drain timeout + abort timeout + 1 s (docs/LIFECYCLE.md)."""
+def stop_budget(drain_timeout: float | None = None, *, dynamo: bool = False) -> float:
+    """Seconds a stop may take (``sidecar.core.shutdown.stop_timeout``) with the default abort
+    timeout; ``dynamo``: the Dynamo plane leaves discovery first."""
     drain = run_default("drain_timeout") if drain_timeout is None else drain_timeout
-    return float(drain) + float(run_default("abort_timeout")) + 1.0
+    leave = LEAVE_TIMEOUT + float(run_default("dynamo_unregister_grace")) if dynamo else 0.0
+    return stop_timeout(float(drain), float(run_default("abort_timeout")), leave)

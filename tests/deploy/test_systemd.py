@@ -186,3 +186,20 @@ def test_systemd_analyze_security(tmp_path: Path, unit: Path, name: str) -> None
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr
+
+
+def test_example_config_file_keys_are_flags() -> None:
+    """deploy/config/sidecar.toml (shown by the units, the env files and the Containerfile)."""
+    import tomllib
+
+    from sidecar.cli_common import default_map
+    from sidecar.run_command import run
+
+    path = DEPLOY / "config" / "sidecar.toml"
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    values = default_map(data, run, "run", str(path))
+    assert values["engine"].startswith("unix:///") and values["log_format"] == "json"
+    for unit in UNITS:
+        assert "OPENENGINE_SIDECAR_CONFIG" in unit.read_text(), unit.name
+    assert "deploy/config/sidecar.toml" in (DEPLOY / "container" / "Containerfile").read_text()

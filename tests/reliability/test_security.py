@@ -21,8 +21,9 @@ import trustme
 from trio_websocket import ConnectionRejected, HandshakeError, open_websocket_url
 
 from sidecar.childproc import loopback_run_args
+from sidecar.cli_options import split_host_port
 from sidecar.client.sidecar_client import SidecarConnectionError, open_sidecar
-from sidecar.run_command import run, split_host_port
+from sidecar.run_command import run
 from tests.e2e.harness import Sidecar, generate_request, mock_engine, sidecar, spawn
 
 pytestmark = pytest.mark.slow
@@ -39,12 +40,12 @@ def test_defaults_listen_on_loopback_only() -> None:
     assert defaults["http_listen"] == "127.0.0.1:8601"
     assert defaults["kv_publish"] == "tcp://127.0.0.1:5600"
     assert defaults["kv_replay"] == "tcp://127.0.0.1:5700"
-    assert defaults["auth_token_file"] is None  # no auth unless asked for ...
+    assert defaults["auth_token"] is None  # no auth unless asked for ...
     assert defaults["tls_cert"] is None and defaults["tls_key"] is None
     assert defaults["open_probes"] is True  # ... and then the probes stay open unless --auth-probes
     # a host left out is loopback too, never all interfaces
-    assert split_host_port(":9000", "--listen") == ("127.0.0.1", 9000)
-    assert split_host_port("[::1]:9000", "--listen") == ("::1", 9000)
+    assert split_host_port(":9000") == ("127.0.0.1", 9000)
+    assert split_host_port("[::1]:9000") == ("::1", 9000)
 
 
 async def _get(url: str, *, token: str | None = None, verify: Any = True) -> httpx.Response:
