@@ -13,6 +13,7 @@ defaults, so the manifests cannot drift from the CLI.
 from __future__ import annotations
 
 import sys
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,19 +21,46 @@ from typing import Any
 import yaml
 
 from sidecar.cli_options import env_name
+from sidecar.core.shutdown import stop_timeout
+from sidecar.dynamo.plane import LEAVE_TIMEOUT
 from sidecar.openengine.revision import SCHEMA_RELEASE
 from sidecar.run_command import run as run_command
 
 HERE = Path(__file__).resolve().parent
+
+
+def _dynamo_version() -> str:
+    with open(HERE.parent.parent / "pyproject.toml", "rb") as f:
+        extra = tomllib.load(f)["project"]["optional-dependencies"]["dynamo"]
+    pin = next(d for d in extra if d.startswith("ai-dynamo-runtime=="))
+    return pin.split("==", 1)[1]
+
+
 MODEL = "Qwen/Qwen3-0.6B"
 MODEL_DIR = f"/models/{MODEL}"  # pre-populated on the model-cache volume (see deploy/README.md)
+#: Images are pinned, never ``:latest``: change these (and regenerate) to deploy other builds.
+#: The sidecar image is this project's (deploy/container/Containerfile), tagged with its version.
 SIDECAR_IMAGE = "registry.example.com/openengine-sidecar:0.1.0"
-FRONTEND_IMAGE = "nvcr.io/nvidia/ai-dynamo/dynamo-frontend:1.3.0"
+#: Tag of the engines' OpenEngine images (``<engine>-openengine``, built from the engine forks).
+ENGINE_IMAGE_TAG = "openengine-v1-r3"
+#: The Dynamo release the sidecar's Dynamo plane is built against (pyproject.toml's pin of
+#: ai-dynamo-runtime): the DGD frontend image and every component's ``runtimeVersionOverride``
+#: (the operator would otherwise read the runtime version from the ``main`` image tag, which is
+#: the sidecar's own version).
+DYNAMO_VERSION = _dynamo_version()
+FRONTEND_IMAGE = f"nvcr.io/nvidia/ai-dynamo/dynamo-frontend:{DYNAMO_VERSION}"
+#: CPU and memory of every container. No CPU limit on the engine (throttling stalls decoding).
+ENGINE_RESOURCES = {
+    "requests": {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": "1"},
+    "limits": {"memory": "48Gi", "nvidia.com/gpu": "1"},
+}
+SIDECAR_RESOURCES = {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "2", "memory": "2Gi"}}
+FRONTEND_RESOURCES = {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"memory": "8Gi"}}
 SOCKET_DIR = "/run/openengine"
 SOCKET = f"{SOCKET_DIR}/engine.sock"
 SIDECAR_UID = 10001  # the container image's user (deploy/container/Containerfile)
 GRACE_SECONDS = 60
-DRAIN_TIMEOUT = 20  # set explicitly in every pod; GRACE_SECONDS must exceed it + abort timeout + 1
+DRAIN_TIMEOUT = 20  # set explicitly in every pod; GRACE_SECONDS must exceed the stop timeout
 
 
 def _default(name: str) -> Any:
@@ -49,7 +77,11 @@ PORTS = {
     "kv-pub": _port(_default("kv_publish")),
     "kv-replay": _port(_default("kv_replay")),
 }
-assert DRAIN_TIMEOUT + _default("abort_timeout") + 1 < GRACE_SECONDS
+#: The longest stop of a sidecar in these pods (with the Dynamo plane leaving first).
+STOP_TIMEOUT = stop_timeout(
+    DRAIN_TIMEOUT, _default("abort_timeout"), LEAVE_TIMEOUT + _default("dynamo_unregister_grace")
+)
+assert STOP_TIMEOUT < GRACE_SECONDS
 
 #: Comments appended to generated lines containing the key (the YAML emitter drops comments).
 LINE_COMMENTS = {
@@ -60,6 +92,7 @@ LINE_COMMENTS = {
     "name: VLLM_NIXL_SIDE_CHANNEL_PORT": "off vLLM's default 5600, the sidecar's KV publish port",
     "restartPolicy: Always": "native sidecar: starts first, stops after main",
     "terminationGracePeriodSeconds:": f"> drain timeout {DRAIN_TIMEOUT} s + abort timeout + engine shutdown",
+    "runtimeVersionOverride:": "the Dynamo release the sidecar's runtime is built against (not the image tag)",
 }
 
 
@@ -138,7 +171,7 @@ ENGINES = [
         title="vLLM",
         name="vllm",
         backend="vllm",
-        image="registry.example.com/vllm-openengine:latest",
+        image=f"registry.example.com/vllm-openengine:{ENGINE_IMAGE_TAG}",
         header="vLLM: upstream `vllm serve` flags (docs.vllm.ai; NixlConnector for prefill/decode) plus the\n"
         "# OpenEngine fork's server (OPENENGINE_SCHEMA_RELEASE, the OpenEngine listener flag).",
         roles={
@@ -165,7 +198,7 @@ ENGINES = [
         title="SGLang",
         name="sglang",
         backend="sglang",
-        image="registry.example.com/sglang-openengine:latest",
+        image=f"registry.example.com/sglang-openengine:{ENGINE_IMAGE_TAG}",
         header="SGLang: upstream `python3 -m sglang.launch_server` flags (docs.sglang.ai; PD disaggregation over\n"
         "# NIXL) plus the OpenEngine fork's server (OPENENGINE_SCHEMA_RELEASE, OPENENGINE_ADVERTISED_HOST, the\n"
         "# OpenEngine listener flag). The prefill pod advertises its pod IP (downward API) as the\n"
@@ -193,7 +226,7 @@ ENGINES = [
         title="TensorRT-LLM",
         name="tensorrt_llm",
         backend="trtllm",
-        image="registry.example.com/tensorrtllm-openengine:latest",
+        image=f"registry.example.com/tensorrtllm-openengine:{ENGINE_IMAGE_TAG}",
         header="TensorRT-LLM: upstream `trtllm-serve MODEL --backend pytorch` with LLM-API options from a ConfigMap\n"
         "# (--config; --server_role CONTEXT|GENERATION and cache_transceiver_config for prefill/decode,\n"
         "# TensorRT-LLM's disaggregated serving docs) plus the OpenEngine fork's server\n"
@@ -251,7 +284,7 @@ def engine_container(engine: Engine, role: str, config_map: str | None) -> dict[
             "timeoutSeconds": 8,
             "failureThreshold": 180,  # up to 30 min to download and load the model
         },
-        "resources": {"limits": {"nvidia.com/gpu": "1"}, "requests": {"nvidia.com/gpu": "1"}},
+        "resources": ENGINE_RESOURCES,
         "volumeMounts": mounts,
     }
     if engine.ports.get(role):
@@ -299,7 +332,7 @@ def sidecar_container(engine: Engine) -> dict[str, Any]:
             "periodSeconds": 10,
             "failureThreshold": 3,
         },
-        "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "2", "memory": "2Gi"}},
+        "resources": SIDECAR_RESOURCES,
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": SIDECAR_UID,
@@ -366,6 +399,7 @@ def dgd(engine: Engine, mode: str) -> list[dict[str, Any]]:
             "name": "Frontend",
             "type": "frontend",
             "replicas": 1,
+            "runtimeVersionOverride": DYNAMO_VERSION,
             "podTemplate": {
                 "spec": {
                     "containers": [
@@ -374,6 +408,7 @@ def dgd(engine: Engine, mode: str) -> list[dict[str, Any]]:
                             "image": FRONTEND_IMAGE,
                             "command": ["python3", "-m", "dynamo.frontend"],
                             "args": ["--http-port", "8000", "--router-mode", "kv"],
+                            "resources": FRONTEND_RESOURCES,
                         }
                     ]
                 }
@@ -392,6 +427,7 @@ def dgd(engine: Engine, mode: str) -> list[dict[str, Any]]:
                 "name": name,
                 "type": role,
                 "replicas": 1,
+                "runtimeVersionOverride": DYNAMO_VERSION,
                 "sharedMemorySize": "0",
                 "podTemplate": {"spec": spec},
             }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import pytest
 import yaml
 
 from sidecar.cli_options import env_name
-from tests.deploy.helpers import DEPLOY, default_ports, port_of, run_default, stop_budget
+from tests.deploy.helpers import DEPLOY, ROOT, default_ports, port_of, run_default, stop_budget
 
 K8S = DEPLOY / "k8s"
 ENGINES = ["vllm", "sglang", "trtllm"]
@@ -140,7 +141,8 @@ def check_pod(engine_key: str, role: str, pod: dict[str, Any], config_maps: set[
     assert {p["name"]: p["containerPort"] for p in main["ports"]} == ports
     # Drain fits in the grace period.
     drain = float(env.get(env_name("--drain-timeout"), run_default("drain_timeout")))
-    assert pod["terminationGracePeriodSeconds"] > stop_budget(drain)
+    dynamo = env.get(env_name("--dynamo")) == "true"
+    assert pod["terminationGracePeriodSeconds"] > stop_budget(drain, dynamo=dynamo)
     # The engine's Unix socket, shared through an emptyDir mounted in both containers.
     socket = env[env_name("--engine")]
     assert socket.startswith("unix:///")
@@ -180,3 +182,37 @@ def test_assumed_flags_are_marked(path: Path) -> None:
     for line in path.read_text().splitlines():
         if "--openengine-socket" in line and not line.lstrip().startswith("#"):
             assert "# ASSUMPTION" in line, line
+
+
+def _dynamo_pin() -> str:
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        extra = tomllib.load(f)["project"]["optional-dependencies"]["dynamo"]
+    return next(d for d in extra if d.startswith("ai-dynamo-runtime==")).split("==", 1)[1]
+
+
+def all_containers(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every container and init container of every pod, the DGD frontend included."""
+    specs = [pod for _, pod in engine_pods(docs)]
+    for doc in docs:
+        if doc["kind"] == "DynamoGraphDeployment":
+            specs += [c["podTemplate"]["spec"] for c in doc["spec"]["components"] if c["type"] == "frontend"]
+    return [c for spec in specs for c in [*spec.get("initContainers", []), *spec["containers"]]]
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_operator_rules(path: Path) -> None:
+    """Applicable as they are: pinned images, CPU and memory requests and a memory limit on every
+    container, the Dynamo runtime version stated on every DGD component."""
+    docs = load(path)
+    containers = all_containers(docs)
+    assert len(containers) == len(engine_pods(docs)) * 2 + (1 if path.parent.name == "dynamo" else 0)
+    for c in containers:
+        _repository, sep, tag = c["image"].rpartition(":")
+        assert sep and "/" not in tag and tag != "latest", f"{c['name']}: unpinned image {c['image']}"
+        resources = c["resources"]
+        assert {"cpu", "memory"} <= resources["requests"].keys(), c["name"]
+        assert "memory" in resources["limits"], c["name"]
+    for doc in docs:
+        if doc["kind"] == "DynamoGraphDeployment":
+            for comp in doc["spec"]["components"]:
+                assert comp["runtimeVersionOverride"] == _dynamo_pin(), comp["name"]
