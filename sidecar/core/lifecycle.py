@@ -325,36 +325,61 @@ class StreamSupervisor:
     # -- abort -----------------------------------------------------------------------------
 
     async def abort(self, request_id: str) -> None:
-        """Abort ``request_id`` on the engine: shielded, retried in the background.
+        """Abort ``request_id`` on the engine: shielded, bounded, retried in the background.
 
-        Returns within ``abort_timeout`` — waiting for a slot and the first attempt together
-        (``stop_budget`` relies on it); a retryable failure, or no attempt in time, hands the
-        request to the background retrier.
+        Returns once the first attempt is answered, or after ``abort_timeout``, whichever comes
+        first (``stop_budget`` relies on that bound). The attempt itself runs in the background
+        (the retry nursery of :meth:`run_service`) exactly as it always did: it waits for one of
+        ``max_concurrent_aborts`` slots (a mass disconnect queues there instead of timing out
+        thousands of concurrent calls), then calls, each bounded by ``abort_timeout``; no slot,
+        no answer or a retryable failure: it is retried there within ``abort_retry_window``.
         """
         with trio.CancelScope(shield=True):
-            # Bounded concurrency (a mass disconnect queues here instead of timing out thousands
-            # of concurrent calls). No slot, or no answer, within abort_timeout: the background
-            # retrier takes it, so the end is not delayed.
+            answered = trio.Event()
+            if self._retry_nursery is None:  # no background (a supervisor without run_service)
+                with trio.move_on_after(self.config.abort_timeout):
+                    await self._first_attempt(request_id, answered)
+                return
+            self._aborting.add(request_id)
+            self._retry_nursery.start_soon(self._abort_in_background, request_id, answered)
+            with trio.move_on_after(self.config.abort_timeout):
+                await answered.wait()
+
+    async def _abort_in_background(self, request_id: str, answered: trio.Event) -> None:
+        try:
+            retry, attempted = await self._first_attempt(request_id, answered)
+            if retry:
+                await self._retry_abort_until_done(request_id, attempted)
+        finally:
+            answered.set()
+            self._aborting.discard(request_id)
+
+    async def _first_attempt(self, request_id: str, answered: trio.Event) -> tuple[bool, bool]:
+        """One Abort attempt (a slot, then the call, each within ``abort_timeout``); sets
+        ``answered`` when it is over. Returns (to be retried, a call was made)."""
+        try:
             slot = False
             with trio.move_on_after(self.config.abort_timeout):
                 await self._abort_slots.acquire()
                 slot = True
-                try:
-                    metrics.child(metrics.ABORTS, await self._abort_once(request_id)).inc()
-                    return
-                except _RetryableAbort:
-                    pass
-                except EngineClientError as err:
-                    metrics.child(metrics.ABORTS, "failed").inc()
-                    log.warning("abort of %s failed: %s", quote(request_id), err)
-                    return
-                finally:
-                    self._abort_slots.release()
-            if self._retry_nursery is not None:
-                self._aborting.add(request_id)
-                self._retry_nursery.start_soon(self._retry_abort, request_id, slot)
-            else:
-                metrics.child(metrics.ABORTS, "failed").inc()
+            if not slot:
+                return True, False
+            try:
+                with trio.move_on_after(self.config.abort_timeout):
+                    try:
+                        metrics.child(metrics.ABORTS, await self._abort_once(request_id)).inc()
+                        return False, True
+                    except _RetryableAbort:
+                        pass
+                    except EngineClientError as err:
+                        metrics.child(metrics.ABORTS, "failed").inc()
+                        log.warning("abort of %s failed: %s", quote(request_id), err)
+                        return False, True
+            finally:
+                self._abort_slots.release()
+            return True, True
+        finally:
+            answered.set()
 
     async def _abort_once(self, request_id: str) -> str:
         try:
@@ -371,17 +396,11 @@ class StreamSupervisor:
             return "already_finished"
         return "aborted"
 
-    async def _retry_abort(self, request_id: str, attempted: bool = True) -> None:
+    async def _retry_abort_until_done(self, request_id: str, attempted: bool) -> None:
         """Retry an Abort in the background within ``abort_retry_window``. ``attempted`` False:
         it never got a slot (a mass disconnect's queue), so its first attempt is no retry: it
-        waits for a slot without a backoff pause and is not counted in ``abort_retries``."""
-        try:
-            await self._retry_abort_until_done(request_id, attempted)
-        finally:
-            self._aborting.discard(request_id)
-
-    async def _retry_abort_until_done(self, request_id: str, attempted: bool) -> None:
-        """The retries of :meth:`_retry_abort`. While the engine is known to be lost
+        waits for a slot without a backoff pause and is not counted in ``abort_retries``. While
+        the engine is known to be lost
         (``engine_reachable`` closed by the engine watch), they wait and the window does not
         run: a frozen engine gets its Aborts when it runs again, however long it was gone.
         (Their number is bounded: a lost engine admits no new stream.)"""
