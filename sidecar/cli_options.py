@@ -36,6 +36,7 @@ COMMAND_ENV: dict[str, str] = {
     "disagg": "DISAGG_",
     "conformance": "CONFORMANCE_",
     "mock-engine": "MOCK_",
+    "vllm-engine": "VLLM_",
     "bench": "BENCH_",
 }
 

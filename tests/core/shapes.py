@@ -310,6 +310,9 @@ class FakeClient:
             return await self.health_script()
         return pb.HealthResponse(state=pb.HealthState.READY)
 
+    async def probe_liveness(self) -> None:
+        self._call("ProbeLiveness")
+
     async def abort(self, request: pb.AbortRequest) -> pb.AbortResponse:
         self._call(f"Abort:{request.request_id}")
         await trio.sleep(self.abort_delay)

@@ -16,18 +16,13 @@ from typing import Any
 
 import click
 
-from sidecar.cli_options import option
+from sidecar.cli_options import command_option, env_name
 from sidecar.engines.vllm.config import VllmSettings
 from sidecar.openengine.server import parse_listen
 
-ENV_PREFIX = "OPENENGINE_SIDECAR_VLLM_"
+ENV_PREFIX = env_name("--", "vllm-engine")[:-1]  # OPENENGINE_SIDECAR_VLLM_
 EXTRA_MISSING = "the 'vllm' extra is not installed (run scripts/install-vllm)"
-
-
-def _opt(*decls: str, **kwargs: Any):  # type: ignore[no-untyped-def]
-    flag = next(d for d in decls if d.startswith("--")).split("/")[0]
-    kwargs.setdefault("envvar", ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper())
-    return option(*decls, **kwargs)
+_opt = command_option("vllm-engine")
 
 
 def _listen(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
@@ -68,11 +63,24 @@ def _block_size(_ctx: click.Context, _param: click.Parameter, value: int | None)
 @_opt("--max-num-batched-tokens", type=click.IntRange(1), help="Tokens per step (vLLM's default).")
 @_opt("--kv-cache-gib", type=click.IntRange(1), default=1, show_default=True, help="VLLM_CPU_KVCACHE_SPACE.")
 @_opt("--kv-cache-blocks", type=click.IntRange(1), help="Exact number of KV blocks (overrides the size).")
-@_opt("--prefix-caching/--no-prefix-caching", default=True, show_default=True)
+@_opt(
+    "--prefix-caching/--no-prefix-caching",
+    default=True,
+    show_default=True,
+    help="vLLM automatic prefix caching.",
+)
 @_opt("--enforce-eager/--compile", default=True, show_default=True, help="Eager mode starts in seconds.")
-@_opt("--scheduling-policy", type=click.Choice(["fcfs", "priority"]), default="fcfs", show_default=True)
-@_opt("--max-logprobs", type=click.IntRange(0), default=20, show_default=True)
-@_opt("--seed", type=int, default=0, show_default=True)
+@_opt(
+    "--scheduling-policy",
+    type=click.Choice(["fcfs", "priority"]),
+    default="fcfs",
+    show_default=True,
+    help="vLLM scheduler policy (priority: requests' priority is honoured).",
+)
+@_opt(
+    "--max-logprobs", type=click.IntRange(0), default=20, show_default=True, help="Most logprobs per token."
+)
+@_opt("--seed", type=int, default=0, show_default=True, help="Engine-wide generation seed.")
 @_opt("--kv-events/--no-kv-events", default=True, show_default=True, help="vLLM's ZMQ KV event publisher.")
 @_opt(
     "--kv-host", default="", help="Routable host advertised for the KV publisher (default: the listen host)."
@@ -83,7 +91,7 @@ def _block_size(_ctx: click.Context, _param: click.Parameter, value: int | None)
 )
 @_opt("--kv-topic", default="", help="ZMQ topic of the KV events.")
 @_opt("--kv-buffer-steps", type=click.IntRange(1), default=10_000, show_default=True, help="Replay buffer.")
-@_opt("--instance-id", default="")
+@_opt("--instance-id", default="", help="Instance id to report (default: derived from the listen address).")
 @_opt("--ready-file", default="", help="Write serving info (JSON) here once serving; '-' = stdout.")
 def vllm_engine(**kw: Any) -> None:
     """Serve stock vLLM (CPU build) as an OpenEngine v1 engine."""
