@@ -66,6 +66,7 @@ from sidecar.north.http import build_app
 from sidecar.north.http_server import HttpLimits, serve_http
 from sidecar.north.limit_options import apply_limit_options, limit_options
 from sidecar.north.ws_server import WS_PATH, NorthPlane, WsConfig
+from sidecar.nursery import lone_exception
 from sidecar.openengine.client import open_engine_client
 
 log = logging.getLogger("sidecar.run")
@@ -206,7 +207,7 @@ async def _bind(flag: str, address: str, starting: Awaitable[Any]) -> int:
     try:
         port: int = await starting
     except (OSError, BaseExceptionGroup) as err:
-        leaf = _lone_leaf(err)
+        leaf = lone_exception(err)
         if isinstance(leaf, OSError):
             raise StartupError(f"{flag} {address}: cannot listen: {leaf.strerror or leaf}") from None
         raise
@@ -537,7 +538,7 @@ def run(**opts: Any) -> None:
             )
         )
     except (StartupError, BaseExceptionGroup) as err:
-        leaf = _lone_leaf(err)
+        leaf = lone_exception(err)
         if isinstance(leaf, StartupError):
             click.echo(f"openengine-sidecar: {leaf}", err=True)
             sys.exit(1)
@@ -558,10 +559,3 @@ def _tls(cert: str | None, key: str | None) -> tuple[str, str] | None:
             f"cannot load {cert} / {key}: {reason}", param_hint="--tls-cert/--tls-key"
         ) from None
     return cert, key
-
-
-def _lone_leaf(exc: BaseException) -> BaseException:
-    """The single exception inside (possibly nested) one-member exception groups."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc

@@ -95,6 +95,7 @@ from sidecar.client.sidecar_client import (
 )
 from sidecar.north import wire
 from sidecar.north.pbjson import PbJsonError, message_from_json
+from sidecar.nursery import open_background_nursery
 from sidecar.openengine import pb
 from sidecar.openengine.errors import wire_name
 
@@ -252,15 +253,13 @@ class DisaggClient:
             yield flow
             return
         try:
-            async with trio.open_nursery() as nursery:
+            async with open_background_nursery() as nursery:  # the driver never raises
                 nursery.start_soon(self._drive, flow)
                 try:
                     yield flow
                 finally:
                     if flow.end is None:
                         nursery.cancel_scope.cancel(reason="P/D flow left early")
-        except BaseExceptionGroup as group:
-            raise _single(group) from None
         finally:
             if flow.end is None:
                 flow.end = flow._ended(
@@ -551,11 +550,6 @@ def _pairs_with_prefill(prefill: Worker) -> Callable[[Worker], Pairing]:
     return lambda decode: check_pair(prefill.card, decode.card)
 
 
-def _single(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    """The lone exception of a nursery's group (the driver never raises, so it is the caller's)."""
-    return group.exceptions[0] if len(group.exceptions) == 1 else group
-
-
 @asynccontextmanager
 async def open_disagg(
     prefill: Sequence[str],
@@ -597,19 +591,16 @@ async def open_disagg(
         keepalive_interval=keepalive_interval,
         keepalive_timeout=keepalive_timeout,
     )
-    try:
-        async with trio.open_nursery() as nursery:
-            pool = _Pool(nursery, connect)
-            try:
-                yield DisaggClient(
-                    pool,
-                    prefill_urls,
-                    decode_urls,
-                    describe_timeout=describe_timeout,
-                    settle_timeout=settle_timeout,
-                    stream_buffer=stream_buffer,
-                )
-            finally:
-                pool.close()
-    except BaseExceptionGroup as group:
-        raise _single(group) from None
+    async with open_background_nursery() as nursery:  # the pool's tasks never raise
+        pool = _Pool(nursery, connect)
+        try:
+            yield DisaggClient(
+                pool,
+                prefill_urls,
+                decode_urls,
+                describe_timeout=describe_timeout,
+                settle_timeout=settle_timeout,
+                stream_buffer=stream_buffer,
+            )
+        finally:
+            pool.close()

@@ -46,6 +46,7 @@ from trio_websocket import (
 from sidecar.north import codec, wire
 from sidecar.north.codec import Encoding
 from sidecar.north.pbjson import message_to_json
+from sidecar.nursery import open_background_nursery
 
 __all__ = [
     "DEFAULT_PATH",
@@ -407,11 +408,6 @@ class SidecarClient:
         raise SidecarCallError(method, result.error or wire.ErrorBody(code="ERROR_CODE_UNSPECIFIED"))
 
 
-def _single(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
-    """The one exception of a nursery's group (the reader never raises, so it is the user's)."""
-    return group.exceptions[0] if len(group.exceptions) == 1 else None
-
-
 @asynccontextmanager
 async def open_sidecar(
     url: str,
@@ -463,20 +459,14 @@ async def open_sidecar(
             client = SidecarClient(
                 ws, encoding=enc, stream_buffer=stream_buffer, cancel_timeout=cancel_timeout
             )
-            try:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(client._reader)
-                    if keepalive_interval > 0:
-                        nursery.start_soon(client._keepalive, keepalive_interval, keepalive_timeout)
-                    try:
-                        yield client
-                    finally:
-                        nursery.cancel_scope.cancel(reason="sidecar client closed")
-            except BaseExceptionGroup as group:
-                single = _single(group)
-                if single is None:
-                    raise
-                raise single from None
+            async with open_background_nursery() as nursery:  # reader and keepalive never raise
+                nursery.start_soon(client._reader)
+                if keepalive_interval > 0:
+                    nursery.start_soon(client._keepalive, keepalive_interval, keepalive_timeout)
+                try:
+                    yield client
+                finally:
+                    nursery.cancel_scope.cancel(reason="sidecar client closed")
     except (HandshakeError, OSError) as err:
         if connected:
             raise  # from the caller's block, or a close timeout

@@ -34,6 +34,7 @@ from sidecar import __version__
 from sidecar.conformance.context import Context, SuiteOptions
 from sidecar.conformance.kv_watch import open_monitor
 from sidecar.conformance.model import CHECKS, Check, Fail, Result, Skip, Status, select_checks
+from sidecar.nursery import lone_exception
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
 from sidecar.openengine.errors import EngineClientError, EngineConfigError, EngineUnavailable
@@ -136,12 +137,6 @@ def _engine_json(address: str, info: pb.ServerInfo) -> dict[str, Any]:
     }
 
 
-def _unwrap(exc: BaseException) -> BaseException:
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc
-
-
 async def run_check(ctx: Context, check: Check) -> Result:
     """Run one check to a :class:`Result` (never raises, except cancellation of the caller)."""
     timeout = ctx.options.check_timeout or check.timeout
@@ -151,7 +146,7 @@ async def run_check(ctx: Context, check: Check) -> Result:
             with trio.fail_after(timeout):
                 note = await check.func(ctx)
         except BaseExceptionGroup as group:
-            raise _unwrap(group) from None
+            raise lone_exception(group) from None
     except Skip as skip:
         return Result(check, Status.SKIP, skip.reason, duration=trio.current_time() - start)
     except Fail as fail:

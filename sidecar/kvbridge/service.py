@@ -19,8 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -38,6 +37,7 @@ from sidecar.kvbridge.publisher import RankEndpoints, run_rank_publisher
 from sidecar.kvbridge.replay_server import ReplayLimits
 from sidecar.kvbridge.sources import GrpcSource, KvSource, ZmqSource, plan_sources
 from sidecar.kvbridge.zmqio import rank_endpoint
+from sidecar.nursery import open_background_nursery
 from sidecar.openengine import pb
 from sidecar.openengine.errors import EngineClientError
 
@@ -195,18 +195,6 @@ async def _supervise(
             await trio.sleep(backoff)
 
 
-@asynccontextmanager
-async def _nursery() -> AsyncIterator[trio.Nursery]:
-    """A nursery whose lone exception (e.g. a bind failure at start) propagates as itself."""
-    try:
-        async with trio.open_nursery() as nursery:
-            yield nursery
-    except BaseExceptionGroup as group:
-        if len(group.exceptions) == 1:
-            raise group.exceptions[0] from None
-        raise
-
-
 async def run_kv_bridge(
     config: KvBridgeConfig,
     *,
@@ -244,7 +232,7 @@ async def run_kv_bridge(
 
     ctx = zmq.Context()
     try:
-        async with _nursery() as nursery:
+        async with open_background_nursery() as nursery:  # a bind failure at start: as itself
             infos: list[KvRankInfo] = []
             for src in plan:
                 send, receive = trio.open_memory_channel[list[EventBatch]](config.queue_size)
