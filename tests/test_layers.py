@@ -43,8 +43,8 @@ RANK: dict[str, int] = {
 
 #: third-party top-level module -> the sidecar packages (or single files) allowed to import it.
 CONFINED: dict[str, tuple[str, ...]] = {
-    "grpclib": ("openengine", "bench/engine_proc.py"),
-    "h2": ("openengine", "bench/engine_proc.py"),
+    "grpclib": ("openengine",),
+    "h2": ("openengine",),
     "asyncio": ("openengine", "mock", "bench", "engines"),
     # the fleet benchmark's anchor is a Dynamo worker of its own (its own process, no sidecar code)
     "dynamo": ("dynamo", "bench/dynamo_anchor.py"),

@@ -14,28 +14,8 @@ Benchmark-only: these patch the engine process, nothing else.
 from __future__ import annotations
 
 import sys
-from typing import Any
 
-
-def raise_stream_limit(limit: int) -> None:
-    """Make every HTTP/2 server connection opened from now on advertise ``limit`` streams."""
-    import grpclib.protocol
-    from h2.connection import H2Connection
-    from h2.settings import SettingCodes, Settings
-
-    class _WideH2Connection(H2Connection):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            if not self.config.client_side:
-                self.local_settings = Settings(
-                    client=False,
-                    initial_values={
-                        SettingCodes.MAX_CONCURRENT_STREAMS: limit,
-                        SettingCodes.MAX_HEADER_LIST_SIZE: self.DEFAULT_MAX_HEADER_LIST_SIZE,
-                    },
-                )
-
-    grpclib.protocol.H2Connection = _WideH2Connection  # type: ignore[misc]
+from sidecar.openengine._grpclib_internals import advertise_max_concurrent_streams
 
 
 def lean_load_attributes() -> None:
@@ -70,7 +50,7 @@ def main(argv: list[str]) -> None:
         else:
             limit, argv = int(argv[1]), argv[2:]
     if limit > 0:
-        raise_stream_limit(limit)
+        advertise_max_concurrent_streams(limit)
     if lean:
         lean_load_attributes()
     from sidecar.cli import main as cli_main

@@ -38,13 +38,11 @@ long prefill; after two acknowledged PINGs the connection counts as alive until 
 sends data again. :meth:`EngineClient.probe_liveness` sends one PING now on every connection
 whatever the count (the sidecar does so when the engine stops answering ``Health``).
 
-grpclib internals used (checked against grpclib 0.4.9, pinned ``<0.5``): ``Channel._protocol``,
-``Channel._protocol_factory``, ``Channel.__connect__``, ``EventsProcessor.processors`` and the
-h2 connection at ``protocol.connection._connection``; reading the peer's limit is guarded.
-h2 internal (h2 4.x): ``H2Connection._closed_streams._size_limit`` (:data:`CLOSED_STREAMS_KEPT`);
-h2's public ``ping``, ``open_outbound_streams``, ``highest_outbound_stream_id`` and the
-``PingAckReceived`` / ``DataReceived`` / ``ResponseReceived`` / ``TrailersReceived`` events
-through grpclib's ``EventsProcessor.processors`` (liveness).
+What this needs from grpclib and h2 beyond their public API — the connection a channel holds,
+hooks on its h2 events (SETTINGS; DATA, HEADERS and PING acks for liveness), the h2
+connection (h2's public ``ping``, ``open_outbound_streams``, ``highest_outbound_stream_id``),
+h2's closed-stream memory — comes from :mod:`sidecar.openengine._grpclib_internals`, the one
+module that touches their internals.
 
 Runs on the asyncio side (trio-asyncio loop). The counts are reservations made by
 :meth:`acquire` and returned by the ``release`` callback it hands out; since grpclib closes
@@ -62,15 +60,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from grpclib.client import Channel, Handler
-from grpclib.protocol import H2Protocol
+from grpclib.client import Channel
 from h2.events import (
     DataReceived,
     InformationalResponseReceived,
     PingAckReceived,
-    RemoteSettingsChanged,
     ResponseReceived,
     TrailersReceived,
+)
+
+from sidecar.openengine._grpclib_internals import (
+    ClientChannel,
+    ClientProtocol,
+    channel_protocol,
+    connect,
+    connection_lost,
+    peer_stream_limit,
 )
 
 log = logging.getLogger(__name__)
@@ -118,7 +123,7 @@ class Keepalive:
 class _Liveness:
     """The PING timer of one connection (module doc). Lives and dies with its protocol."""
 
-    def __init__(self, protocol: _SettingsAwareProtocol, keepalive: Keepalive) -> None:
+    def __init__(self, protocol: _PoolProtocol, keepalive: Keepalive) -> None:
         self._protocol = protocol
         self._keepalive = keepalive
         self._loop = asyncio.get_event_loop()
@@ -133,7 +138,7 @@ class _Liveness:
         self._schedule(keepalive.interval)
 
     def _h2(self) -> Any:
-        return self._protocol.connection._connection
+        return self._protocol.h2()
 
     def data_seen(self) -> None:
         """The engine sent DATA or HEADERS: it is alive; the PING count starts again."""
@@ -184,7 +189,7 @@ class _Liveness:
         payload = os.urandom(8)
         try:
             self._h2().ping(payload)
-            self._protocol.connection.flush()
+            self._protocol.flush()
         except Exception as err:  # a closing connection: nothing to probe
             log.debug("engine PING not sent: %s", err)
             return
@@ -250,67 +255,48 @@ class _CoalescingTransport:
         return getattr(self._transport, name)
 
 
-class _SettingsAwareProtocol(H2Protocol):
-    """grpclib's client protocol, plus an event set when the peer's first SETTINGS arrived
-    (or the connection was lost), coalesced writes and (with a :class:`Keepalive`) liveness."""
+class _PoolProtocol(ClientProtocol):
+    """The client's connections: ``settings_seen``, coalesced writes, :data:`CLOSED_STREAMS_KEPT`
+    closed streams remembered, and (with a :class:`Keepalive`) liveness."""
 
-    settings_seen: asyncio.Event
     liveness: _Liveness | None = None
 
-    def __init__(self, *args: Any, keepalive: Keepalive | None = None) -> None:
-        super().__init__(*args)
+    def __init__(self, config: Any, h2_config: Any, *, keepalive: Keepalive | None = None) -> None:
+        super().__init__(
+            config,
+            h2_config,
+            closed_streams_kept=CLOSED_STREAMS_KEPT,
+            wrap_transport=_CoalescingTransport if COALESCE_WRITES else None,
+        )
         self._keepalive = keepalive
-        self._transport: Any = None
 
     def connection_made(self, transport: Any) -> None:
-        self.settings_seen = asyncio.Event()
-        if COALESCE_WRITES:
-            transport = _CoalescingTransport(transport)
-        self._transport = transport
         super().connection_made(transport)
-        closed: Any = self.connection._connection._closed_streams  # h2's SizeLimitDict
-        closed._size_limit = CLOSED_STREAMS_KEPT
-        processors = self.processor.processors
-        _wrap(processors, RemoteSettingsChanged, lambda event: self.settings_seen.set())
         if self._keepalive is not None and self._keepalive.enabled:
             liveness = self.liveness = _Liveness(self, self._keepalive)
             for kind in (DataReceived, ResponseReceived, TrailersReceived, InformationalResponseReceived):
-                _wrap(processors, kind, lambda event: liveness.data_seen())
-            _wrap(processors, PingAckReceived, lambda event: liveness.ack(event.ping_data))
+                self.add_event_hook(kind, lambda event: liveness.data_seen())
+            self.add_event_hook(PingAckReceived, lambda event: liveness.ack(event.ping_data))
 
     def peer_name(self) -> str:
         try:
-            peer = self._transport.get_extra_info("peername")
+            peer = self.transport.get_extra_info("peername")
         except Exception:  # pragma: no cover - diagnostics only
             peer = None
         return str(peer) if peer else "(unix socket)"
 
     def abort(self) -> None:
         """Drop the connection at once (no flush: the peer may never read)."""
-        if self._transport is not None:
-            self._transport.abort()
+        if self.transport is not None:
+            self.transport.abort()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self.liveness is not None:
             self.liveness.close()
         super().connection_lost(exc)
-        if hasattr(self, "settings_seen"):
-            self.settings_seen.set()
 
 
-def _wrap(processors: dict[Any, Any], kind: type, after: Callable[[Any], None]) -> None:
-    """Make grpclib's processor of ``kind`` events also call ``after(event)``."""
-    inner = processors.get(kind)
-
-    def process(event: Any) -> None:
-        if inner is not None:
-            inner(event)
-        after(event)
-
-    processors[kind] = process
-
-
-class SettingsAwareChannel(Channel):
+class SettingsAwareChannel(ClientChannel):
     """A grpclib ``Channel`` whose connections report when the peer's settings are known and,
     given a :class:`Keepalive`, check their liveness with PINGs."""
 
@@ -318,25 +304,15 @@ class SettingsAwareChannel(Channel):
         super().__init__(*args, **kwargs)
         self._keepalive = keepalive
 
-    def _protocol_factory(self) -> H2Protocol:
-        return _SettingsAwareProtocol(Handler(), self._config, self._h2_config, keepalive=self._keepalive)
+    def new_protocol(self, config: Any, h2_config: Any) -> ClientProtocol:
+        return _PoolProtocol(config, h2_config, keepalive=self._keepalive)
 
 
 def probe_liveness(channel: Channel) -> None:
     """One PING now on ``channel``'s connection, if it has one with liveness (module doc)."""
-    protocol = getattr(channel, "_protocol", None)
-    liveness = getattr(protocol, "liveness", None)
+    liveness = getattr(channel_protocol(channel), "liveness", None)
     if liveness is not None:
         liveness.ping()
-
-
-def peer_stream_limit(protocol: Any) -> int | None:
-    """The peer's ``SETTINGS_MAX_CONCURRENT_STREAMS`` on a grpclib connection (h2 reports
-    2**32+1 while the peer has not set it), or None when it cannot be read."""
-    try:
-        return int(protocol.connection._connection.remote_settings.max_concurrent_streams)
-    except (AttributeError, TypeError, ValueError):
-        return None
 
 
 class _Slot:
@@ -457,9 +433,9 @@ class GeneratePool:
 
     async def _settle(self, slot: _Slot) -> bool:
         """Connect ``slot``'s channel, learn the peer's limit; False if it is now over its cap."""
-        protocol = slot.channel._protocol
-        if protocol is None or protocol is not slot.protocol or protocol.handler.connection_lost:
-            protocol = await slot.channel.__connect__()
+        protocol = channel_protocol(slot.channel)
+        if protocol is None or protocol is not slot.protocol or connection_lost(protocol):
+            protocol = await connect(slot.channel)
             seen = getattr(protocol, "settings_seen", None)
             if seen is not None and not seen.is_set():
                 with contextlib.suppress(asyncio.TimeoutError):

@@ -38,7 +38,7 @@ import os
 import re
 import socket
 import stat
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +48,7 @@ from grpclib.encoding.proto import ProtoCodec
 from grpclib.exceptions import GRPCError
 
 from sidecar.openengine import pb
+from sidecar.openengine._grpclib_internals import server_port
 from sidecar.openengine.rawfields import WireError, nested_field_bytes
 
 log = logging.getLogger(__name__)
@@ -293,13 +294,8 @@ async def open_server(services: Iterable[Any], listen: str | ListenAddress) -> A
         bound = address
     else:
         await server.start(address.host, address.port)
-        listener: Any = server._server
-        sockets: Sequence[Any] = listener.sockets if listener is not None else ()
-        port = address.port or 0
-        for sock in sockets:
-            port = sock.getsockname()[1]
-            break
-        bound = ListenAddress(host=address.host, port=port)
+        port = server_port(server)
+        bound = ListenAddress(host=address.host, port=port if port is not None else address.port or 0)
     running = RunningServer(server, bound)
     try:
         yield running

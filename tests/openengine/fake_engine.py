@@ -19,6 +19,7 @@ from grpclib.const import Cardinality, Handler, Status
 from grpclib.exceptions import GRPCError
 
 from sidecar.openengine import pb
+from sidecar.openengine._grpclib_internals import server_port
 from sidecar.openengine.client import _Codec
 
 
@@ -164,8 +165,7 @@ class RunningServer:
         if path is not None:
             self.address = f"unix://{path}"
         else:
-            sock = self.server._server.sockets[0]  # type: ignore[union-attr]
-            self.address = f"127.0.0.1:{sock.getsockname()[1]}"
+            self.address = f"127.0.0.1:{server_port(self.server)}"
         return self.address
 
     async def stop(self) -> None:

@@ -7,7 +7,6 @@ connection) and the scriptable fake engine (with a patched, smaller limit where 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any
 
 import grpclib.protocol
@@ -18,10 +17,12 @@ from h2.connection import H2Connection
 
 from sidecar.mock.testing import mock_engine_in_process
 from sidecar.openengine import channel_pool, pb
+from sidecar.openengine._grpclib_internals import channel_protocol, closed_streams
 from sidecar.openengine.channel_pool import _CoalescingTransport
 from sidecar.openengine.client import EngineClient, open_engine_client
 from sidecar.openengine.errors import EngineUnavailable
 from tests.openengine.fake_engine import FakeEngine, Gate, RunningServer, tokens
+from tests.polling import eventually
 
 
 def stalled(server: RunningServer) -> Gate:
@@ -82,12 +83,6 @@ async def open_group(nursery: trio.Nursery, client: EngineClient, prefix: str, n
 
     await nursery.start(run)
     return g
-
-
-async def wait_until(check: Callable[[], bool]) -> None:
-    """Bounded by the test's fail_after: for state the asyncio side changes on its own timer."""
-    while not check():  # noqa: ASYNC110 - asyncio-side timers and the engine's counters
-        await trio.sleep(0.01)
 
 
 async def test_per_channel_cap_is_respected(server: RunningServer) -> None:
@@ -179,7 +174,7 @@ async def test_idle_extra_channel_closes_after_the_idle_period(server: RunningSe
                 assert client._generate.loads() == [(2, 2), (1, 2)]
                 await again.close()
                 start = trio.current_time()
-                await wait_until(lambda: client.generate_channel_count == 1)
+                await eventually(lambda: client.generate_channel_count == 1)
                 assert trio.current_time() - start >= 0.25
                 nursery.cancel_scope.cancel()
             assert len(server.transports) == 2
@@ -279,7 +274,7 @@ async def test_thousand_stalled_streams_reach_a_100_stream_engine(aio_loop: Any)
                 assert handlers == n
                 # all cancelled: every extra channel drained and closed, every stream reset
                 assert client._generate.loads() == [(0, 100)] * 4
-                await wait_until(lambda: eng.engine.counters.streams_open == 0)
+                await eventually(lambda: eng.engine.counters.streams_open == 0)
 
 
 class RecordingTransport:
@@ -352,8 +347,9 @@ async def test_each_connection_remembers_a_bounded_number_of_closed_streams(
                         pass
             await client.health()
             (slot,) = client._generate._slots
-            generate_h2 = slot.channel._protocol.connection._connection
+            generate = channel_protocol(slot.channel)
+            assert generate is not None
             # h2 files a stream under "closed" when it next counts open streams: 24 of 25 here
-            assert len(generate_h2._closed_streams) == 10 and generate_h2._closed_streams._size_limit == 10
-            control_h2 = client._control._protocol.connection._connection  # every channel: same bound
-            assert control_h2._closed_streams._size_limit == 10
+            assert closed_streams(generate) == (10, 10)
+            control = channel_protocol(client._control_channel())  # every channel: same bound
+            assert control is not None and closed_streams(control)[1] == 10
