@@ -70,6 +70,7 @@ from sidecar.core.errors import invalid_argument, model_not_found, role_mismatch
 from sidecar.core.handoff import check_decode_session, check_prefill_session
 from sidecar.core.metadata import NormalizedMetadata, normalize_metadata
 from sidecar.openengine import pb
+from sidecar.openengine._betterproto2_internals import set_unknown_fields, unknown_fields
 from sidecar.quoting import quote
 
 __all__ = ["MEDIA_OPTION_KEYS", "Admitted", "admit"]
@@ -422,7 +423,7 @@ def admit(
             lora_name=rewrite.get("lora_name", request.lora_name),
         )
         # replace() rebuilds the message; keep fields this build does not know (newer revisions).
-        unknown = getattr(request, "_unknown_fields", b"")
+        unknown = unknown_fields(request)
         if unknown:
-            out._unknown_fields = unknown
+            set_unknown_fields(out, unknown)
     return Admitted(request=out, model=model, lora=lora, metadata=meta, num_sequences=n)

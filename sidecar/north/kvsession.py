@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 
 from sidecar.openengine import pb
+from sidecar.openengine._betterproto2_internals import set_unknown_fields
 from sidecar.openengine.rawfields import length_delimited, parse_strict
 
 __all__ = ["parse_kv_session", "splice_kv_session"]
@@ -34,6 +35,6 @@ def splice_kv_session(request: pb.GenerateRequest, raw: bytes) -> pb.GenerateReq
     out = copy.copy(request)
     kv = copy.copy(request.kv) if request.kv is not None else pb.KvOptions()
     kv.session = None
-    kv._unknown_fields = length_delimited(1, raw)  # field 1 (session)
+    set_unknown_fields(kv, length_delimited(1, raw))  # field 1 (session)
     out.kv = kv
     return out

@@ -31,6 +31,8 @@ import betterproto2
 from betterproto2 import casing
 
 from sidecar.openengine import pb
+from sidecar.openengine._betterproto2_internals import Field
+from sidecar.openengine._betterproto2_internals import fields as message_fields
 from sidecar.quoting import quote
 
 __all__ = [
@@ -321,25 +323,24 @@ class _Plan:
     """How to read and write one message class (built once per class, on first use)."""
 
     def __init__(self, cls: type[betterproto2.Message]) -> None:
-        meta: Any = cls._betterproto  # type: ignore[arg-type]  # ProtoClassMetadata; classproperty vs mypy
         self.cls = cls
         self.by_key: dict[str, _Field] = {}
         self.fields: list[_Field] = []
-        for attr in meta.sorted_field_names:
-            fmeta = meta.meta_by_field_name[attr]
-            field_cls = meta.cls_by_field[attr]
+        for f in message_fields(cls):
+            attr = f.name
             json_name = casing.camel_case(attr.rstrip("_"))
-            read, write, map_key = self._converters(cls, attr, fmeta, field_cls)
+            read, write, map_key = self._converters(f)
+            assert f.default is not None
             entry = _Field(
                 attr=attr,
                 json_name=json_name,
-                proto_type=fmeta.proto_type,
-                repeated=bool(fmeta.repeated),
-                presence=bool(fmeta.optional),
-                group=fmeta.group,
+                proto_type=f.proto_type,
+                repeated=f.repeated,
+                presence=f.optional,
+                group=f.group,
                 read=read,
                 write=write,
-                default=meta.default_gen[attr](),
+                default=f.default(),
                 map_key=map_key,
             )
             self.fields.append(entry)
@@ -347,15 +348,11 @@ class _Plan:
             self.by_key[attr.rstrip("_")] = entry
 
     @staticmethod
-    def _converters(
-        cls: type[betterproto2.Message], attr: str, fmeta: Any, field_cls: type
-    ) -> tuple[_Reader, Callable[[Any], Any] | None, _Reader | None]:
-        proto_type = fmeta.proto_type
-        if proto_type == betterproto2.TYPE_MAP:
-            key_type, value_meta = fmeta.map_meta[0].proto_type, fmeta.map_meta[1]
-            value_cls = cls._betterproto.cls_by_field[f"{attr}.value"]  # type: ignore[arg-type]
-            read, write, _ = _Plan._converters(cls, attr, value_meta, value_cls)
-            return read, write, _map_key_reader(key_type)
+    def _converters(f: Field) -> tuple[_Reader, Callable[[Any], Any] | None, _Reader | None]:
+        proto_type, field_cls = f.proto_type, f.cls
+        if f.map_value is not None and f.map_key_type is not None:
+            read, write, _ = _Plan._converters(f.map_value)
+            return read, write, _map_key_reader(f.map_key_type)
         if proto_type == betterproto2.TYPE_MESSAGE:
             if field_cls in _WELL_KNOWN_READERS:
                 return _WELL_KNOWN_READERS[field_cls], _WELL_KNOWN_WRITERS[field_cls], None

@@ -25,6 +25,7 @@ import betterproto2
 from betterproto2 import casing
 
 from sidecar.openengine import pb
+from sidecar.openengine._betterproto2_internals import fields as message_fields
 
 __all__ = ["DEFS", "Direction", "def_name", "definitions", "ref"]
 
@@ -117,14 +118,13 @@ def _scalar(proto_type: str, field_cls: Any, direction: Direction, todo: list[ty
 
 
 def _message(cls: type[betterproto2.Message], direction: Direction, todo: list[type]) -> dict[str, Any]:
-    meta: Any = cls._betterproto  # type: ignore[arg-type]
     properties: dict[str, Any] = {}
     groups: dict[str, list[str]] = {}
-    for attr in meta.sorted_field_names:
-        fmeta = meta.meta_by_field_name[attr]
-        if fmeta.proto_type == betterproto2.TYPE_MAP:
-            key_type, value_meta = fmeta.map_meta[0].proto_type, fmeta.map_meta[1]
-            value = _scalar(value_meta.proto_type, meta.cls_by_field[f"{attr}.value"], direction, todo)
+    for f in message_fields(cls):
+        attr = f.name
+        if f.map_value is not None:
+            key_type = f.map_key_type
+            value = _scalar(f.map_value.proto_type, f.map_value.cls, direction, todo)
             keys: dict[str, Any] = {"type": "string"}
             if key_type in _INT_RANGES or key_type in _INT64:
                 keys["pattern"] = _INPUT_DIGITS
@@ -132,12 +132,12 @@ def _message(cls: type[betterproto2.Message], direction: Direction, todo: list[t
                 keys["enum"] = ["true", "false"]
             schema: dict[str, Any] = {"type": "object", "propertyNames": keys, "additionalProperties": value}
         else:
-            schema = _scalar(fmeta.proto_type, meta.cls_by_field[attr], direction, todo)
-            if fmeta.repeated:
+            schema = _scalar(f.proto_type, f.cls, direction, todo)
+            if f.repeated:
                 schema = {"type": "array", "items": schema}
         json_name = casing.camel_case(attr.rstrip("_"))
-        if fmeta.group is not None:
-            groups.setdefault(fmeta.group, []).append(json_name)
+        if f.group is not None:
+            groups.setdefault(f.group, []).append(json_name)
         if direction == "in":
             schema = {"anyOf": [schema, {"type": "null"}]}
             properties[attr.rstrip("_")] = schema

@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 
 import betterproto2
 
+from sidecar.openengine._betterproto2_internals import fields_by_number
+
 M = TypeVar("M", bound=betterproto2.Message)
 
 #: Deepest message nesting accepted by :func:`check_message`.
@@ -131,22 +133,21 @@ def check_message(cls: type[betterproto2.Message], data: bytes, depth: int = 0) 
     """Raise :class:`WireError` unless ``data`` is a well-formed ``cls`` (see module doc)."""
     if depth > MAX_DEPTH:
         raise WireError("nested too deep")
-    meta: Any = cls._betterproto  # type: ignore[attr-defined, arg-type]
+    known = fields_by_number(cls)
     for number, wire, start, end in _fields(data):
-        name = meta.field_name_by_number.get(number)
-        if name is None:
+        field = known.get(number)
+        if field is None:
             continue  # unknown: framing already checked
-        fmeta = meta.meta_by_field_name[name]
-        kind = fmeta.proto_type
+        name, kind = field.name, field.proto_type
         if wire == 2:
             if kind in (betterproto2.TYPE_MESSAGE, betterproto2.TYPE_MAP):
-                check_message(meta.cls_by_field[name], data[start:end], depth + 1)
+                check_message(field.cls, data[start:end], depth + 1)  # a map: its entry message
             elif kind == betterproto2.TYPE_STRING:
                 try:
                     data[start:end].decode("utf-8")
                 except UnicodeDecodeError:
                     raise WireError(f"field {number} ({name}): invalid utf-8") from None
-            elif kind != betterproto2.TYPE_BYTES and not fmeta.repeated:  # repeated scalars may be packed
+            elif kind != betterproto2.TYPE_BYTES and not field.repeated:  # repeated scalars may be packed
                 raise WireError(f"field {number} ({name}): wrong wire type")
         elif (
             (wire == 0 and kind not in _VARINT)

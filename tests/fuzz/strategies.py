@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from sidecar.north import pbjson, wire
 from sidecar.openengine import pb
+from sidecar.openengine._betterproto2_internals import fields
 
 HUGE_INTS = st.sampled_from(
     [2**31, 2**32, 2**53, 2**53 + 1, 2**63, 2**64, 2**64 + 1, 10**30, -(2**63) - 1, -1]
@@ -101,19 +102,15 @@ def _scalar(proto_type: str, field_cls: Any, valid: bool) -> st.SearchStrategy[A
 def _field_value(
     cls: type[betterproto2.Message], attr: str, valid: bool, depth: int
 ) -> st.SearchStrategy[Any]:
-    meta: Any = cls._betterproto  # type: ignore[attr-defined,arg-type]
-    fmeta = meta.meta_by_field_name[attr]
-    field_cls = meta.cls_by_field[attr]
-    proto_type = fmeta.proto_type
-    if fmeta.map_meta:
-        key_type, value_meta = fmeta.map_meta[0].proto_type, fmeta.map_meta[1]
-        value_cls = meta.cls_by_field[f"{attr}.value"]
-        keys = utf8_text if key_type == betterproto2.TYPE_STRING else st.integers(0, 99).map(str)
+    f = next(f for f in fields(cls) if f.name == attr)
+    field_cls, proto_type, value_field = f.cls, f.proto_type, f.map_value
+    if value_field is not None:
+        keys = utf8_text if f.map_key_type == betterproto2.TYPE_STRING else st.integers(0, 99).map(str)
         values: st.SearchStrategy[Any]
-        if value_meta.proto_type == betterproto2.TYPE_MESSAGE:
-            values = pb_json(value_cls, valid=valid, depth=depth + 1, sparse=True)
+        if value_field.proto_type == betterproto2.TYPE_MESSAGE:
+            values = pb_json(value_field.cls, valid=valid, depth=depth + 1, sparse=True)
         else:
-            values = _scalar(value_meta.proto_type, value_cls, valid)
+            values = _scalar(value_field.proto_type, value_field.cls, valid)
         one: st.SearchStrategy[Any] = st.dictionaries(keys, values, max_size=3)
     elif proto_type == betterproto2.TYPE_MESSAGE:
         if field_cls in pbjson._WELL_KNOWN_READERS:
@@ -130,7 +127,7 @@ def _field_value(
             one = pb_json(field_cls, valid=valid, depth=depth + 1, sparse=True)
     else:
         one = _scalar(proto_type, field_cls, valid)
-    if fmeta.repeated and not fmeta.map_meta:
+    if f.repeated and value_field is None:
         return st.lists(one, max_size=3)
     return one
 

@@ -11,6 +11,7 @@ import pytest
 from sidecar.north import codec, wire
 from sidecar.north.codec import Encoding, GenerateCommand, ProtocolError, decode_frame, engine_request
 from sidecar.openengine import pb
+from sidecar.openengine._betterproto2_internals import unknown_fields
 
 
 def varint(n: int) -> bytes:
@@ -124,8 +125,8 @@ def test_bytes_survive_unchanged(form: str) -> None:
     assert parsed.kv is not None and parsed.kv.bypass_prefix_cache is True and parsed.kv.cache_salt == "x"
     assert parsed.kv.session is not None
     assert parsed.kv.session.session_id == "sess-42"
-    assert parsed.kv.session._unknown_fields == ld(100, b"from-the-future")
-    assert parsed.kv.session.endpoints[0]._unknown_fields == ld(50, b"endpoint-extra")
+    assert unknown_fields(parsed.kv.session) == ld(100, b"from-the-future")
+    assert unknown_fields(parsed.kv.session.endpoints[0]) == ld(50, b"endpoint-extra")
     assert parsed.token_ids is not None and parsed.token_ids.ids == [1, 2]
     # the command itself is untouched
     assert cmd.request.kv.session is session

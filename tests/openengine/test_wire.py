@@ -7,7 +7,6 @@ OpenEngine implementation reads and writes.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import betterproto2
 import pytest
 
 from sidecar.openengine import pb
+from sidecar.openengine._betterproto2_internals import Field, fields
 from sidecar.openengine.errors import wire_name
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,40 +82,39 @@ def populate(cls: type[betterproto2.Message], depth: int = 0, oneof_pick: int = 
     """An instance with every field set (for each oneof group: its ``oneof_pick``-th member)."""
     kwargs: dict[str, Any] = {}
     groups: dict[str, list[str]] = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        meta = f.metadata["betterproto"]
-        if meta.group:
-            groups.setdefault(meta.group, []).append(f.name)
+    for f in fields(cls):
+        if f.group:
+            groups.setdefault(f.group, []).append(f.name)
     chosen = {members[oneof_pick % len(members)] for members in groups.values()}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        meta = f.metadata["betterproto"]
-        if meta.group and f.name not in chosen:
+    for f in fields(cls):
+        if f.group and f.name not in chosen:
             continue
-        value = field_value(cls, f.name, meta, depth)
+        value = field_value(f, depth)
         if value is not None:
-            kwargs[f.name] = [value, value] if meta.repeated else value
+            kwargs[f.name] = [value, value] if f.repeated else value
     return cls(**kwargs)
 
 
-def field_value(cls: Any, name: str, meta: Any, depth: int) -> Any:
-    if meta.proto_type in SCALARS:
-        return SCALARS[meta.proto_type]
-    if meta.proto_type == "enum":
-        enum_cls = cls._betterproto.cls_by_field[name]
-        return list(enum_cls)[-1]
-    if meta.proto_type == "message":
-        sub = cls._betterproto.cls_by_field[name]
-        if sub is pb.Struct:
+def field_value(f: Field, depth: int) -> Any:
+    if f.proto_type in SCALARS:
+        return SCALARS[f.proto_type]
+    if f.proto_type == "enum":
+        return list(f.cls)[-1]  # type: ignore[call-overload]
+    if f.proto_type == "message":
+        if f.cls is pb.Struct:
             return pb.Struct.from_dict({"k": [1.5, None, True, "x", {"n": "18446744073709551615"}]})
         if depth > 3:
             return None
-        return populate(sub, depth + 1)
-    raise AssertionError(f"unhandled proto type {meta.proto_type}")
+        return populate(f.cls, depth + 1)
+    raise AssertionError(f"unhandled proto type {f.proto_type}")
 
 
 def oneof_sizes(cls: Any) -> int:
-    sizes = [len(v) for v in cls._betterproto.oneof_field_by_group.values()]
-    return max(sizes, default=1)
+    sizes: dict[str, int] = {}
+    for f in fields(cls):
+        if f.group:
+            sizes[f.group] = sizes.get(f.group, 0) + 1
+    return max(sizes.values(), default=1)
 
 
 CASES = [(cls, k) for cls in message_classes() for k in range(oneof_sizes(cls))]
