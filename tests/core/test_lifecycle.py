@@ -24,6 +24,7 @@ from sidecar.core.lifecycle import (
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
 from tests.openengine.fake_engine import Gate, RunningServer, Status, status, tokens
+from tests.polling import eventually
 
 
 @pytest.fixture
@@ -225,8 +226,7 @@ async def test_abort_retried_on_unavailable(server: RunningServer, supervisor: S
     server.engine.unary["Abort"] = abort
     with trio.fail_after(5):
         await supervisor.abort("rX")
-        while len(calls) < 3:  # noqa: ASYNC110 - the retrier runs on its own schedule
-            await trio.sleep(0.01)
+        await eventually(lambda: len(calls) >= 3)  # the retrier runs on its own schedule
     assert calls == ["rX", "rX", "rX"]
 
 
@@ -290,8 +290,7 @@ async def test_aborts_in_flight_are_bounded(server: RunningServer, supervisor: S
         async with trio.open_nursery() as nursery:
             for i in range(6):
                 nursery.start_soon(supervisor.abort, f"m{i}")
-            while len([s for s in server.engine.seen if s.route == "Abort"]) < 2:  # noqa: ASYNC110
-                await trio.sleep(0.01)
+            await eventually(lambda: len([s for s in server.engine.seen if s.route == "Abort"]) >= 2)
             assert peak == 2
             gate.event.set()
     assert peak == 2
@@ -351,8 +350,7 @@ async def test_queued_abort_is_not_counted_as_a_retry(
         await supervisor.abort("queued")  # no slot within abort_timeout: handed off
         assert aborts(server) == []
         supervisor._abort_slots.release_on_behalf_of(holder)
-        while not aborts(server):  # noqa: ASYNC110 - the engine is in another event loop
-            await trio.sleep(0.01)
+        await eventually(lambda: aborts(server))  # the engine is in another event loop
     assert aborts(server) == ["queued"]
     retries = (REGISTRY.get_sample_value("openengine_sidecar_abort_retries_total") or 0.0) - retries_before
     assert retries == 0

@@ -23,6 +23,7 @@ from sidecar.mock import tokenizer as tok
 from sidecar.mock.testing import InProcessEngine, mock_engine_in_process
 from sidecar.openengine.client import open_engine_client
 from tests.dynamo.test_mapping import dynamo_request
+from tests.polling import eventually
 
 
 class FakeContext:
@@ -84,12 +85,13 @@ def counters(eng: InProcessEngine) -> dict[str, Any]:
 async def wait_idle(eng: InProcessEngine, bridge: StreamBridge | None = None) -> dict[str, Any]:
     """The engine's counters once it holds nothing (and ``bridge`` has no stream left: its
     stream task ends a moment after the engine took the Abort, when the answer is back)."""
-    with trio.fail_after(5):
-        while (  # noqa: ASYNC110 - bounded poll of another loop's state
-            (c := counters(eng))["streams_open"] or c["requests_in_flight"] or (bridge and bridge.active)
-        ):
-            await trio.sleep(0.01)
-    return c
+
+    def idle() -> dict[str, Any] | None:
+        c = counters(eng)
+        return None if c["streams_open"] or c["requests_in_flight"] or (bridge and bridge.active) else c
+
+    result: dict[str, Any] = await eventually(idle, 5)
+    return result
 
 
 async def test_completion_relays_the_engine_tokens(aio_loop: Any) -> None:

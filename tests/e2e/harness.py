@@ -20,6 +20,7 @@ from sidecar.childproc import ENGINE_READY, SIDECAR_READY, ChildProcess, loopbac
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
 from sidecar.openengine.message_limits import EngineLimits
+from tests.polling import eventually  # re-exported: the e2e tests' polling helper
 
 __all__ = ["ENGINE_READY", "SIDECAR_READY", "Proc"]  # re-exported for the tests
 
@@ -126,15 +127,6 @@ async def wait_engine_idle(address: str, timeout: float = 10) -> dict[str, Any]:
     return result
 
 
-async def eventually(check: Any, timeout: float = 10, interval: float = 0.05) -> Any:
-    """Poll ``await check()`` until it returns a truthy value (state of another process, which
-    offers no event to wait on); fail after ``timeout``."""
-    with trio.fail_after(timeout):
-        while not (result := await check()):  # noqa: ASYNC110 - polling another process, bounded
-            await trio.sleep(interval)
-    return result
-
-
 def generate_request(prompt: str = "Hello world", max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
     """A north ``request`` object (proto3 JSON of GenerateRequest)."""
     stopping = {"maxTokens": max_tokens, "ignoreEos": True}  # exactly max_tokens tokens: deterministic length
@@ -148,6 +140,7 @@ __all__ = [
     "Proc",
     "Sidecar",
     "engine_counters",
+    "eventually",
     "generate_request",
     "mock_engine",
     "open_together",

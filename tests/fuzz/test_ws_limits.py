@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from sidecar.north import codec, wire
-from tests.e2e.harness import mock_engine, sidecar, wait_engine_idle
+from tests.e2e.harness import eventually, mock_engine, sidecar, wait_engine_idle
 from tests.fuzz.rawws import Closed, RawWs
 from tests.reliability.helpers import scrape, stall_request
 
@@ -150,9 +150,7 @@ async def test_limits_duplicates_and_unknown_cancels(aio_loop: Any, tmp_path: Pa
             async def a_gone() -> bool:
                 return (await scrape(sc.http)).value("openengine_sidecar_active_streams") == room
 
-            with trio.fail_after(10):
-                while not await a_gone():  # noqa: ASYNC110 - another process's gauge
-                    await trio.sleep(0.05)
+            await eventually(a_gone, 10)  # another process's gauge
             assert all(n == 1 for n in b.events.values())  # still stalled, still open
             for i in sorted(b.events):
                 await b.send({"type": "cancel", "stream": i})

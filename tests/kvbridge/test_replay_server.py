@@ -16,6 +16,7 @@ from sidecar.kvbridge.replay import END_SEQ, ReplayBuffer
 from sidecar.kvbridge.replay_server import ReplayLimits, serve_replay
 from tests.kvbridge.fake_engine import zrecv
 from tests.kvbridge.helpers import Metrics
+from tests.polling import eventually
 
 RANK = 7  # a rank of its own: metric deltas unaffected by other tests
 
@@ -76,13 +77,6 @@ async def read_replay(ctx: zmq.Context, endpoint: str, start: int = 0) -> list[i
         d.close(linger=0)
 
 
-async def until(check: object, timeout: float = 10) -> None:
-    """Poll a condition on the server's state (its metrics), bounded."""
-    with trio.fail_after(timeout):
-        while not check():  # type: ignore[operator]  # noqa: ASYNC110 - the server offers no event to wait on
-            await trio.sleep(0.01)
-
-
 def active() -> float:
     return RankMetrics(RANK).replays_active._value.get()
 
@@ -101,11 +95,11 @@ async def test_peers_that_never_read_are_dropped_and_never_delay_a_reader() -> N
     with trio.fail_after(30):
         async with router(limits, steps=200, size=64 * 1024) as (ep, _, ctx):
             stuck = [stuck_peer(ctx, ep) for _ in range(10)]
-            await until(lambda: m.delta("replay_requests_served") == 10)
+            await eventually(lambda: m.delta("replay_requests_served") == 10)
             start = trio.current_time()
             assert await read_replay(ctx, ep) == list(range(200))  # served alongside them
             assert trio.current_time() - start < 3
-            await until(lambda: m.delta("replay_requests_dropped", reason="slow") == 10)
+            await eventually(lambda: m.delta("replay_requests_dropped", reason="slow") == 10)
             assert active() == 0
             for d in stuck:
                 d.close(linger=0)
@@ -118,9 +112,9 @@ async def test_slots_are_capped_the_queue_too_and_a_stalled_replay_gives_way() -
         limits = ReplayLimits(hwm=4, max_active=1, stall_timeout=20)
         async with router(limits, size=64 * 1024) as (ep, _, ctx):
             peers = [stuck_peer(ctx, ep)]
-            await until(lambda: active() == 1)
+            await eventually(lambda: active() == 1)
             peers += [stuck_peer(ctx, ep), stuck_peer(ctx, ep)]  # one waits, one is refused
-            await until(lambda: m.delta("replay_requests_dropped", reason="busy") == 1)
+            await eventually(lambda: m.delta("replay_requests_dropped", reason="busy") == 1)
             assert m.delta("replay_requests_served") == 1
             for d in peers:
                 d.close(linger=0)
@@ -128,7 +122,7 @@ async def test_slots_are_capped_the_queue_too_and_a_stalled_replay_gives_way() -
         limits = ReplayLimits(hwm=4, max_active=1, stall_timeout=0.5)
         async with router(limits, size=64 * 1024) as (ep, _, ctx):
             first = stuck_peer(ctx, ep)
-            await until(lambda: active() == 1)
+            await eventually(lambda: active() == 1)
             start = trio.current_time()
             assert await read_replay(ctx, ep) == list(range(200))
             assert trio.current_time() - start < 2
@@ -146,9 +140,9 @@ async def test_a_new_request_supersedes_the_peers_old_one() -> None:
             d.setsockopt(zmq.RCVBUF, 4096)
             d.connect(ep)
             d.send_multipart([b"", (0).to_bytes(8, "big")])
-            await until(lambda: active() == 1)
+            await eventually(lambda: active() == 1)
             d.send_multipart([b"", (45).to_bytes(8, "big")])
-            await until(lambda: m.delta("replay_requests_dropped", reason="superseded") == 1)
+            await eventually(lambda: m.delta("replay_requests_dropped", reason="superseded") == 1)
             seqs = []
             while (frames := await zrecv(d))[2] != END_SEQ:
                 seqs.append(int.from_bytes(frames[2], "big"))

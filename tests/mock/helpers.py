@@ -13,6 +13,7 @@ from sidecar.mock.faults import parse_faults
 from sidecar.mock.testing import InProcessEngine, mock_engine_in_process
 from sidecar.openengine import pb
 from sidecar.openengine.client import EngineClient, MetadataLike, open_engine_client
+from tests.polling import eventually
 
 
 @asynccontextmanager
@@ -85,24 +86,13 @@ async def wait_for(
     client: EngineClient, check: Callable[[dict[str, Any]], bool], timeout: float = 5.0
 ) -> dict[str, Any]:
     """Poll the engine's counters until ``check`` holds (bounded); returns them."""
-    with trio.fail_after(timeout):
-        while True:
-            attrs = await counters(client)
-            if check(attrs):
-                return attrs
-            await trio.sleep(0.01)
 
+    async def held() -> dict[str, Any] | None:
+        attrs = await counters(client)
+        return attrs if check(attrs) else None
 
-async def until(predicate: Callable[[], Any], timeout: float = 5.0) -> None:
-    """Poll ``predicate`` (sync, or returning an awaitable) until it is true (bounded)."""
-    with trio.fail_after(timeout):
-        while True:
-            result = predicate()
-            if hasattr(result, "__await__"):
-                result = await result
-            if result:
-                return
-            await trio.sleep(0.01)
+    result: dict[str, Any] = await eventually(held, timeout)
+    return result
 
 
 async def load_is(client: EngineClient, check: Callable[[pb.LoadInfo], bool]) -> bool:

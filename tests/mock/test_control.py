@@ -10,6 +10,7 @@ import trio
 
 from sidecar.openengine import pb
 from sidecar.openengine.errors import EngineStatusError, EngineTerminalError
+from tests.polling import eventually
 
 from .helpers import (
     collect,
@@ -21,7 +22,6 @@ from .helpers import (
     kind,
     request,
     token_ids,
-    until,
     wait_for,
 )
 
@@ -133,7 +133,7 @@ async def test_health_states(aio_loop: Any) -> None:
         with pytest.raises(EngineStatusError) as info:
             await collect(client, request())
         assert info.value.status == "UNAVAILABLE"
-        await until(lambda: health_is(client, pb.HealthState.READY))
+        await eventually(lambda: health_is(client, pb.HealthState.READY))
         await collect(client, request("ok"))
     async with engine(faults=("unhealthy",)) as (_, client):
         h = await client.health()

@@ -17,8 +17,9 @@ from sidecar.openengine.errors import (
     EngineUnavailable,
 )
 from sidecar.openengine.revision import SCHEMA_RELEASE
+from tests.polling import eventually
 
-from .helpers import collect, counters, engine, finishes, health_is, kind, request, token_ids, until, wait_for
+from .helpers import collect, counters, engine, finishes, health_is, kind, request, token_ids, wait_for
 
 LONG = pb.StoppingOptions(max_tokens=50, ignore_eos=True)
 
@@ -147,7 +148,7 @@ async def test_kv_faults_reach_the_publishers(aio_loop: Any) -> None:
         seqs: list[int] = []
         with trio.fail_after(10):
             async with client.subscribe_kv_events(pb.SubscribeKvEventsRequest()) as sub:
-                await until(lambda: eng.engine.kv_events.subscribers >= 1)
+                await eventually(lambda: eng.engine.kv_events.subscribers >= 1)
                 for i, syllable in enumerate((" ba", " be", " bi")):
                     await collect(client, request(f"k{i}", prompt=syllable * 20, max_tokens=1))
                 async for resp in sub:
@@ -161,7 +162,7 @@ async def test_kv_faults_reach_the_publishers(aio_loop: Any) -> None:
 async def test_unhealthy_after(aio_loop: Any) -> None:
     async with engine(faults=("unhealthy=0.1",)) as (_, client):
         assert (await client.health()).state == pb.HealthState.READY
-        await until(lambda: health_is(client, pb.HealthState.NOT_READY))
+        await eventually(lambda: health_is(client, pb.HealthState.NOT_READY))
 
 
 def test_engine_crashed_is_exported() -> None:

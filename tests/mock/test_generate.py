@@ -10,6 +10,7 @@ import trio
 from sidecar.mock import tokenizer as tok
 from sidecar.openengine import pb
 from sidecar.openengine.errors import EngineStatusError
+from tests.polling import eventually
 
 from .helpers import (
     collect,
@@ -22,7 +23,6 @@ from .helpers import (
     request,
     text,
     token_ids,
-    until,
 )
 
 FLAVORS = ["trtllm", "vllm", "sglang"]
@@ -290,7 +290,7 @@ async def test_admission_queue_and_overload(aio_loop: Any) -> None:
     ):
         await running.__anext__()
         async with client.generate(request("queued", max_tokens=2)) as queued:
-            await until(lambda: load_is(client, lambda load: load.queued_requests == 1))
+            await eventually(lambda: load_is(client, lambda load: load.queued_requests == 1))
             with pytest.raises(EngineStatusError) as info:
                 await collect(client, request("over"))
             assert info.value.status == "RESOURCE_EXHAUSTED"
@@ -315,7 +315,7 @@ async def test_priority_orders_the_queue(aio_loop: Any) -> None:
             async with trio.open_nursery() as nursery:
                 for rid, prio in (("low", "-1"), ("high", "9")):
                     nursery.start_soon(run, rid, prio)
-                await until(lambda: load_is(client, lambda load: load.queued_requests == 2))
+                await eventually(lambda: load_is(client, lambda load: load.queued_requests == 2))
                 async for _ in first:
                     pass
         assert order == ["high", "low"]
