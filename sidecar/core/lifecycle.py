@@ -33,7 +33,7 @@ from sidecar.core import metrics
 from sidecar.core.errors import Rejection, error_code_name
 from sidecar.logs import log_context
 from sidecar.openengine import pb
-from sidecar.openengine.client import EngineClient
+from sidecar.openengine.client import EngineClient, EngineStream
 from sidecar.openengine.errors import (
     EngineClientError,
     EngineProtocolError,
@@ -57,11 +57,6 @@ class Outcome:
     message: str = ""
     retryable: bool = False
 
-    def error_dict(self) -> dict[str, Any] | None:
-        if self.code is None:
-            return None
-        return {"code": error_code_name(self.code), "message": self.message, "retryable": self.retryable}
-
     @classmethod
     def from_rejection(cls, rejection: Rejection) -> Outcome:
         return cls(REJECTED, rejection.code, rejection.message, rejection.retryable)
@@ -82,14 +77,21 @@ class StreamHandle:
 
     request: pb.GenerateRequest
     metadata: Sequence[tuple[str, str]] = ()
-    wire_request: bytes | None = None
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     cancel_reason: Outcome | None = None
     admitted_at: float = 0.0
+    #: The engine stream once opened (set by the relay; read through the properties below).
+    _upstream: EngineStream[pb.GenerateResponse] | None = field(default=None, repr=False)
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def kv_session_bytes(self) -> bytes | None:
+        """The engine's ``KvSessionRef`` exactly as received, from the moment this stream's
+        ``PrefillReady`` is relayed (emitted); None before, or for a stream without one."""
+        return self._upstream.kv_session_bytes if self._upstream is not None else None
 
     def cancel(self, reason: Outcome) -> None:
         """Cancel the stream (idempotent: the first reason wins)."""
@@ -220,18 +222,12 @@ class StreamSupervisor:
     def _in_use(self, request_id: str) -> bool:
         return request_id in self.streams or request_id in self._aborting
 
-    def admit(
-        self,
-        request: pb.GenerateRequest,
-        metadata: Sequence[tuple[str, str]] = (),
-        wire_request: bytes | None = None,
-    ) -> StreamHandle:
+    def admit(self, request: pb.GenerateRequest, metadata: Sequence[tuple[str, str]] = ()) -> StreamHandle:
         """Register a stream or raise :class:`Rejection` (DRAINING, OVERLOADED, DUPLICATE_REQUEST,
         INVALID_ARGUMENT for a ``request_id`` over ``max_request_id_length``).
 
-        An empty ``request_id`` is replaced by a sidecar-unique, random one (``wire_request``,
-        when given, must then already carry it). Every admitted stream has its own entry in
-        :attr:`streams` until it ends: two streams never share an id.
+        An empty ``request_id`` is replaced by a sidecar-unique, random one. Every admitted
+        stream has its own entry in :attr:`streams` until it ends: two streams never share an id.
         """
         if self.draining:
             raise Rejection(pb.ErrorCode.DRAINING, "the sidecar is draining; send new work elsewhere", True)
@@ -257,7 +253,7 @@ class StreamSupervisor:
                 f"request_id {quote(request.request_id)} is still being aborted here; retry later",
                 True,
             )
-        handle = StreamHandle(request, metadata, wire_request, admitted_at=trio.current_time())
+        handle = StreamHandle(request, metadata, admitted_at=trio.current_time())
         self.streams[request.request_id] = handle
         self._idle = trio.Event() if self._idle.is_set() else self._idle
         metrics.ACTIVE_STREAMS.set(len(self.streams))
@@ -469,8 +465,8 @@ class _Relay:
             first = min(first, cfg.inactivity_timeout) if first else cfg.inactivity_timeout
         idle = trio.CancelScope()
         with idle:
-            async with engine.generate(h.request, metadata=h.metadata, wire_request=h.wire_request) as stream:
-                self.stream = stream
+            async with engine.generate(h.request, metadata=h.metadata) as stream:
+                self.stream = h._upstream = stream
                 if first:
                     idle.deadline = trio.current_time() + first
                 try:

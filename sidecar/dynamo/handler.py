@@ -146,7 +146,7 @@ class StreamBridge:
         send = job.send
 
         async def emit(ev: pb.GenerateResponse) -> None:
-            chunk = chunk_of(ev)
+            chunk = chunk_of(ev, handle.kv_session_bytes)
             if chunk is None:
                 return
             try:

@@ -346,8 +346,10 @@ def _logprobs(tokens: Sequence[pb.TokenInfo]) -> tuple[list[float], list[list[di
     return log_probs, top
 
 
-def chunk_of(ev: pb.GenerateResponse) -> dict[str, Any] | None:
-    """The Dynamo chunk relaying one engine event (``None``: nothing to relay)."""
+def chunk_of(ev: pb.GenerateResponse, kv_session_bytes: bytes | None = None) -> dict[str, Any] | None:
+    """The Dynamo chunk relaying one engine event (``None``: nothing to relay);
+    ``kv_session_bytes``: a ``PrefillReady``'s session as the engine sent it
+    (``StreamHandle.kv_session_bytes``; without it, the parsed session re-serialised)."""
     token = ev.token
     if token is not None:
         tokens = token.tokens
@@ -370,7 +372,7 @@ def chunk_of(ev: pb.GenerateResponse) -> dict[str, Any] | None:
         return chunk
     ready = ev.prefill_ready
     if ready is not None:
-        raw = getattr(ev, "raw_kv_session", None)
+        raw = kv_session_bytes
         if raw is None:
             raw = bytes(ready.kv_session) if ready.kv_session is not None else b""
         chunk = {

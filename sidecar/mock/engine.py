@@ -89,7 +89,9 @@ class Request:
             self.waiter.set_result(None)
 
 
-def _recent_entry(request: pb.GenerateRequest, req: Request) -> dict[str, Any]:
+def _recent_entry(
+    request: pb.GenerateRequest, req: Request, kv_session_bytes: bytes | None
+) -> dict[str, Any]:
     """What ``GetLoad.attributes.recent_requests`` shows of one accepted request (for tests)."""
     plan = req.plan
     entry: dict[str, Any] = {
@@ -112,10 +114,8 @@ def _recent_entry(request: pb.GenerateRequest, req: Request) -> dict[str, Any]:
         entry["media_options"] = request.media_options.to_dict()
     if plan.kv_session is not None:
         # the KvSessionRef bytes exactly as they came over the wire (see openengine.server)
-        raw = getattr(request, "raw_kv_session", None)
-        entry["kv_session_b64"] = base64.b64encode(
-            raw if raw is not None else bytes(plan.kv_session)
-        ).decode()
+        raw = kv_session_bytes if kv_session_bytes is not None else bytes(plan.kv_session)
+        entry["kv_session_b64"] = base64.b64encode(raw).decode()
     return entry
 
 
@@ -248,15 +248,18 @@ class MockEngine:
 
     # -- admission ---------------------------------------------------------------------
 
-    def accept(self, request: pb.GenerateRequest, metadata: Any) -> Request:
-        """Validate and admit ``request``; raises :class:`Rejection` (counted) on refusal."""
+    def accept(
+        self, request: pb.GenerateRequest, metadata: Any, kv_session_bytes: bytes | None = None
+    ) -> Request:
+        """Validate and admit ``request``; raises :class:`Rejection` (counted) on refusal.
+        ``kv_session_bytes``: its ``kv.session`` as received (recorded for tests)."""
         try:
-            return self._accept(request, metadata)
+            return self._accept(request, metadata, kv_session_bytes)
         except Rejection as rej:
             self.counters.rejected(rej.status)
             raise
 
-    def _accept(self, request: pb.GenerateRequest, metadata: Any) -> Request:
+    def _accept(self, request: pb.GenerateRequest, metadata: Any, kv_session_bytes: bytes | None) -> Request:
         if self.starting:
             raise Rejection("UNAVAILABLE", "engine is starting")
         if self.draining:
@@ -297,7 +300,7 @@ class MockEngine:
             self.slow_health_left = self.config.faults.slow_health
         self.counters.requests_accepted += 1
         self.counters.served_by_rank[req.rank] += 1
-        self.recent[rid] = _recent_entry(request, req)
+        self.recent[rid] = _recent_entry(request, req, kv_session_bytes)
         while len(self.recent) > RECENT_REQUESTS:
             self.recent.popitem(last=False)
         self.changed.set()

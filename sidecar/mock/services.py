@@ -21,7 +21,7 @@ from sidecar.mock.lora import LoraError
 from sidecar.mock.runner import run_request
 from sidecar.mock.validation import Rejection, RoleMismatch
 from sidecar.openengine import pb
-from sidecar.openengine.server import RpcStatusError, request_metadata
+from sidecar.openengine.server import RpcStatusError, request_kv_session_bytes, request_metadata
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -56,7 +56,7 @@ class InferenceService(pb.InferenceBase):
                 )
                 return
             try:
-                req = engine.accept(message, request_metadata())
+                req = engine.accept(message, request_metadata(), request_kv_session_bytes())
             except RoleMismatch as rej:
                 if not faults.has("late-role-mismatch"):
                     raise _status(rej) from None

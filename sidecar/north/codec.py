@@ -425,13 +425,12 @@ def event_message(
 ) -> wire.Event:
     """The ``event`` relaying ``resp``. For a ``prefillReady`` it carries ``kvSessionBytes``:
     ``kv_session_bytes`` when given (the engine's bytes as received), else ``bytes()`` of the
-    parsed ``KvSessionRef`` (betterproto2 keeps its unknown fields)."""
-    if (
-        kv_session_bytes is None
-        and resp.prefill_ready is not None
-        and resp.prefill_ready.kv_session is not None
-    ):
-        kv_session_bytes = bytes(resp.prefill_ready.kv_session)
+    parsed ``KvSessionRef`` (betterproto2 keeps its unknown fields). Other events carry none."""
+    ready = resp.prefill_ready
+    if ready is None:
+        kv_session_bytes = None
+    elif kv_session_bytes is None and ready.kv_session is not None:
+        kv_session_bytes = bytes(ready.kv_session)
     return wire.Event(stream=stream, response=response_to_wire(resp), kv_session_bytes=kv_session_bytes)
 
 

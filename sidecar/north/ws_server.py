@@ -451,8 +451,8 @@ class Connection:
         send = self.send
 
         async def emit(ev: pb.GenerateResponse) -> None:
-            # prefillReady: relay the engine's KvSessionRef bytes exactly as received
-            await send(encoder.encode(ev, kv_session_bytes=getattr(ev, "raw_kv_session", None)))
+            # prefillReady (terminal: the last event): relay the engine's KvSessionRef bytes exactly as received
+            await send(encoder.encode(ev, kv_session_bytes=handle.kv_session_bytes))
 
         try:
             with log_context(stream=stream_id):

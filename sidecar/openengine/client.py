@@ -29,10 +29,11 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from functools import partial
 from typing import Any, Generic, Protocol, TypeVar
 
+import betterproto2
 import grpclib.exceptions
 import h2.exceptions
 import trio
@@ -63,6 +64,7 @@ __all__ = ["EngineClient", "EngineStream", "Keepalive", "open_engine_client"]
 
 MetadataLike = Mapping[str, str] | Collection[tuple[str, str]]
 T = TypeVar("T")
+T_contra = TypeVar("T_contra", contravariant=True)
 Picked = tuple[Channel, Callable[[], None]]
 
 _INFERENCE = "/openengine.v1.Inference/"
@@ -85,8 +87,19 @@ class _Codec(CodecBase):
         message = message_type.parse(data)
         if message_type is pb.GenerateResponse and message.prefill_ready is not None:
             # Keep the engine's exact KvSessionRef bytes for a byte-for-byte handoff relay.
-            message.raw_kv_session = nested_field_bytes(data, 4, 1)
+            return _HandedOver(message, nested_field_bytes(data, 4, 1))
         return message
+
+
+class _HandedOver:
+    """A decoded ``PrefillReady`` event with the engine's ``KvSessionRef`` bytes as received
+    (the stream's pump unwraps it: :attr:`EngineStream.kv_session_bytes`)."""
+
+    __slots__ = ("message", "raw")
+
+    def __init__(self, message: pb.GenerateResponse, raw: bytes | None) -> None:
+        self.message = message
+        self.raw = raw
 
 
 class _Serialized:
@@ -102,12 +115,27 @@ class _Serialized:
         return cls(bytes(data))
 
 
-class _Rules(Protocol):
+class _Rules(Protocol[T_contra]):
     terminal: bool
 
-    def observe(self, resp: Any) -> Any: ...
+    def observe(self, resp: T_contra, /) -> object: ...
 
     def check_end(self) -> None: ...
+
+
+class _NoRules:
+    """Accepts everything and never marks the stream terminal (``checked=False``)."""
+
+    __slots__ = ("terminal",)
+
+    def __init__(self) -> None:
+        self.terminal = False
+
+    def observe(self, resp: object, /) -> None:
+        return None
+
+    def check_end(self) -> None:
+        return None
 
 
 def _metadata(metadata: MetadataLike | None) -> list[tuple[str, str]] | None:
@@ -174,16 +202,23 @@ class EngineStream(Generic[T]):
     Validates each message with the stream's rules; a terminal ``EngineError`` raises
     :class:`EngineTerminalError`, a rule violation :class:`EngineProtocolError`, a lost
     connection :class:`EngineUnavailable`. ``terminal_seen`` tells whether the request
-    reached its terminal event (the sidecar sends no Abort then).
+    reached its terminal event (the sidecar sends no Abort then). ``kv_session_bytes``: the
+    engine's ``KvSessionRef`` exactly as it came over the wire, from the moment a Generate
+    stream yields its ``PrefillReady`` (re-serialising the parsed message could reorder fields or
+    drop a newer revision's; a handoff is relayed byte for byte).
     """
 
-    def __init__(self, receive: trio.MemoryReceiveChannel[T], rules: _Rules, request_id: str = "") -> None:
+    def __init__(
+        self, receive: trio.MemoryReceiveChannel[Any], rules: _Rules[T], request_id: str = ""
+    ) -> None:
+        # ``receive`` carries T, or a PrefillReady event wrapped with its raw session bytes
         self._receive = receive
         self._rules = rules
         self._failure: BaseException | None = None
         self._done = False
         self.request_id = request_id
         self.messages = 0
+        self.kv_session_bytes: bytes | None = None
 
     @property
     def terminal_seen(self) -> bool:
@@ -203,6 +238,9 @@ class EngineStream(Generic[T]):
                 await _raise_translated(self._failure)
             self._rules.check_end()
             raise StopAsyncIteration from None
+        if type(msg) is _HandedOver:
+            self.kv_session_bytes = msg.raw
+            msg = msg.message
         self.messages += 1
         try:
             self._rules.observe(msg)
@@ -415,16 +453,15 @@ class EngineClient:
     async def _server_stream(
         self,
         route: str,
-        request: Any,
-        wire_request: Any,
+        request: betterproto2.Message,
         reply_type: type[T],
-        rules: _Rules,
+        rules: _Rules[T],
         metadata: MetadataLike | None,
         pick: Callable[[], Picked | Awaitable[Picked]],
         request_id: str = "",
         max_message_bytes: int | None = None,
     ) -> AsyncIterator[EngineStream[T]]:
-        send, receive = trio.open_memory_channel[T](self._stream_buffer)
+        send, receive = trio.open_memory_channel[Any](self._stream_buffer)
         stream: EngineStream[T] = EngineStream(receive, rules, request_id)
         timeout = _timeout()
         md = _metadata(metadata)
@@ -442,7 +479,8 @@ class EngineClient:
                 async with channel.request(
                     route, Cardinality.UNARY_STREAM, type(request), reply_type, timeout=timeout, metadata=md
                 ) as st:
-                    await st.send_message(wire_request, end=True)
+                    await st.send_message(request, end=True)
+                    # T, or a _HandedOver PrefillReady (see _Codec)
                     while (msg := await recv_bounded(st, bound, decode_large, inline_max)) is not None:
                         try:
                             send.send_nowait(msg)
@@ -469,23 +507,18 @@ class EngineClient:
         return await self._generate.acquire()
 
     def generate(
-        self,
-        request: pb.GenerateRequest,
-        *,
-        metadata: MetadataLike | None = None,
-        wire_request: bytes | None = None,
-    ) -> Any:
-        """Open a Generate stream (async context manager yielding an :class:`EngineStream`).
+        self, request: pb.GenerateRequest, *, metadata: MetadataLike | None = None, checked: bool = True
+    ) -> AbstractAsyncContextManager[EngineStream[pb.GenerateResponse]]:
+        """Open a Generate stream: ``async with client.generate(request) as stream: async for
+        event in stream`` (see :class:`EngineStream`). Leaving the block resets the stream.
 
-        ``wire_request``, when given, is the exact serialized request to send (e.g. with a
-        ``KvSessionRef`` spliced in byte-for-byte); ``request`` is then its parsed view, used
-        for the stream rules.
-        """
-        rules = GenerateRules.for_request(request)
+        ``checked=False`` (here and on the other streams; ``sidecar.openengine.raw``): no
+        stream rules — every message as the engine sent it, an ``EngineError`` event yielded
+        like any other; status and transport errors still raise."""
+        rules: _Rules[pb.GenerateResponse] = GenerateRules.for_request(request) if checked else _NoRules()
         return self._server_stream(
             _INFERENCE + "Generate",
             request,
-            wire_request if wire_request is not None else request,
             pb.GenerateResponse,
             rules,
             metadata,
@@ -493,14 +526,15 @@ class EngineClient:
             request.request_id,
         )
 
-    def drain(self, request: pb.DrainRequest, *, metadata: MetadataLike | None = None) -> Any:
-        """Open a Drain stream (async context manager yielding ``pb.DrainResponse`` items)."""
+    def drain(
+        self, request: pb.DrainRequest, *, metadata: MetadataLike | None = None, checked: bool = True
+    ) -> AbstractAsyncContextManager[EngineStream[pb.DrainResponse]]:
+        """Open a Drain stream (an :class:`EngineStream` of ``pb.DrainResponse``)."""
         return self._server_stream(
             _CONTROL + "Drain",
             request,
-            request,
             pb.DrainResponse,
-            DrainRules(),
+            DrainRules() if checked else _NoRules(),
             metadata,
             lambda: (self._control_channel(), lambda: None),
         )
@@ -511,8 +545,10 @@ class EngineClient:
         *,
         metadata: MetadataLike | None = None,
         max_message_bytes: int | None = None,
-    ) -> Any:
-        """Open a KV-event subscription (``pb.SubscribeKvEventsResponse`` items) on its own channel.
+        checked: bool = True,
+    ) -> AbstractAsyncContextManager[EngineStream[pb.SubscribeKvEventsResponse]]:
+        """Open a KV-event subscription (an :class:`EngineStream` of
+        ``pb.SubscribeKvEventsResponse``) on its own channel.
 
         A message larger than ``max_message_bytes`` (default: the client's
         ``limits.max_kv_batch_bytes``) fails the stream with
@@ -521,9 +557,8 @@ class EngineClient:
         return self._server_stream(
             _CONTROL + "SubscribeKvEvents",
             request,
-            request,
             pb.SubscribeKvEventsResponse,
-            KvEventRules(),
+            KvEventRules() if checked else _NoRules(),
             metadata,
             lambda: (self._kv_channel(), lambda: None),
             max_message_bytes=max_message_bytes,

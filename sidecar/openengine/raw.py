@@ -4,8 +4,8 @@
 schema's rules and raises :class:`~sidecar.openengine.errors.EngineProtocolError` at the
 first violation. A conformance suite needs the opposite: observe everything the engine
 sends (an event after a terminal, a second ``PromptOutput``, a missing ``output_index``)
-and judge it afterwards. These helpers open the same streams through the same client
-(same channels, codec, cancellation and error translation) with a no-op rule checker.
+and judge it afterwards. These open the same streams through the same client (same channels, codec,
+cancellation and error translation) with ``checked=False``.
 
 - An ``EngineError`` event is yielded like any other message (not raised).
 - A non-OK status still raises :class:`~sidecar.openengine.errors.EngineStatusError`
@@ -17,71 +17,30 @@ and judge it afterwards. These helpers open the same streams through the same cl
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import AbstractAsyncContextManager
 
 from sidecar.openengine import pb
-from sidecar.openengine.client import EngineClient, MetadataLike
+from sidecar.openengine.client import EngineClient, EngineStream, MetadataLike
 
 __all__ = ["raw_drain", "raw_generate", "raw_subscribe_kv_events"]
-
-_INFERENCE = "/openengine.v1.Inference/"
-_CONTROL = "/openengine.v1.Control/"
-
-
-class _NoRules:
-    """A rule checker that accepts everything and never marks the stream terminal."""
-
-    __slots__ = ("terminal",)
-
-    def __init__(self) -> None:
-        self.terminal = False
-
-    def observe(self, resp: Any) -> None:
-        return None
-
-    def check_end(self) -> None:
-        return None
 
 
 def raw_generate(
     client: EngineClient, request: pb.GenerateRequest, *, metadata: MetadataLike | None = None
-) -> Any:
-    """``Generate`` without rule checks (async context manager yielding ``pb.GenerateResponse``)."""
-    return client._server_stream(
-        _INFERENCE + "Generate",
-        request,
-        request,
-        pb.GenerateResponse,
-        _NoRules(),
-        metadata,
-        client._pick_generate,
-        request.request_id,
-    )
+) -> AbstractAsyncContextManager[EngineStream[pb.GenerateResponse]]:
+    """``Generate`` without rule checks."""
+    return client.generate(request, metadata=metadata, checked=False)
 
 
-def raw_drain(client: EngineClient, request: pb.DrainRequest, *, metadata: MetadataLike | None = None) -> Any:
-    """``Drain`` without rule checks (yields ``pb.DrainResponse``, errors included)."""
-    return client._server_stream(
-        _CONTROL + "Drain",
-        request,
-        request,
-        pb.DrainResponse,
-        _NoRules(),
-        metadata,
-        lambda: (client._control_channel(), lambda: None),
-    )
+def raw_drain(
+    client: EngineClient, request: pb.DrainRequest, *, metadata: MetadataLike | None = None
+) -> AbstractAsyncContextManager[EngineStream[pb.DrainResponse]]:
+    """``Drain`` without rule checks (errors included)."""
+    return client.drain(request, metadata=metadata, checked=False)
 
 
 def raw_subscribe_kv_events(
     client: EngineClient, request: pb.SubscribeKvEventsRequest, *, metadata: MetadataLike | None = None
-) -> Any:
-    """``SubscribeKvEvents`` without rule checks (yields ``pb.SubscribeKvEventsResponse``)."""
-    return client._server_stream(
-        _CONTROL + "SubscribeKvEvents",
-        request,
-        request,
-        pb.SubscribeKvEventsResponse,
-        _NoRules(),
-        metadata,
-        lambda: (client._kv_channel(), lambda: None),
-    )
+) -> AbstractAsyncContextManager[EngineStream[pb.SubscribeKvEventsResponse]]:
+    """``SubscribeKvEvents`` without rule checks."""
+    return client.subscribe_kv_events(request, metadata=metadata, checked=False)

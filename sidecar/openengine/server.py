@@ -6,8 +6,9 @@ imports grpclib:
 
 - :func:`serve` / :func:`open_server` bind ``host:port`` (port 0 = ephemeral) or
   ``unix:///path`` and report the bound address;
-- :func:`request_metadata` gives a handler the current request's gRPC metadata and
-  :func:`request_peer` its peer (a contextvar set by wrapping each handler);
+- :func:`request_metadata` gives a handler the current request's gRPC metadata,
+  :func:`request_peer` its peer (a contextvar set by wrapping each handler) and
+  :func:`request_kv_session_bytes` its request's ``KvSessionRef`` as received;
 - :class:`RpcStatusError` raised by a handler ends the call with that non-OK status
   (before the first message it is a trailers-only response: no events);
 - :class:`PreEncoded` lets a handler yield already serialized message bytes (the fast
@@ -102,7 +103,7 @@ class _Codec(ProtoCodec):
             # The exact KvSessionRef bytes a client sent (kv = 8, session = 1), so an engine
             # (the simulated ones, conformance fakes) can report what it received byte for byte.
             with contextlib.suppress(WireError):
-                message.raw_kv_session = nested_field_bytes(data, 8, 1)
+                _kv_session_bytes.set(nested_field_bytes(data, 8, 1))
         return message
 
 
@@ -123,6 +124,19 @@ _current: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar
 def request_context() -> RequestContext | None:
     """The current call's context, or None outside a handler."""
     return _current.get()
+
+
+#: Set by the codec while it decodes a Generate request (in the handler's task).
+_kv_session_bytes: contextvars.ContextVar[bytes | None] = contextvars.ContextVar(
+    "openengine_request_kv_session", default=None
+)
+
+
+def request_kv_session_bytes() -> bytes | None:
+    """The current Generate call's ``kv.session`` exactly as the client sent it (a
+    ``KvSessionRef``'s bytes; None without one or outside a handler). For engines that report
+    what they received byte for byte (the simulated ones, conformance fakes)."""
+    return _kv_session_bytes.get()
 
 
 def request_metadata() -> tuple[tuple[str, str | bytes], ...]:

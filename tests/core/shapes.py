@@ -320,7 +320,7 @@ class FakeClient:
 
     @asynccontextmanager
     async def generate(
-        self, request: pb.GenerateRequest, *, metadata: Any = None, wire_request: bytes | None = None
+        self, request: pb.GenerateRequest, *, metadata: Any = None
     ) -> AsyncIterator[EngineStream[pb.GenerateResponse]]:
         self._call(f"Generate:{request.request_id}")
         send, receive = trio.open_memory_channel[pb.GenerateResponse](64)

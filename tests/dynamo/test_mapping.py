@@ -204,8 +204,7 @@ def test_events_to_chunks() -> None:
     ready = pb.GenerateResponse(
         request_id="r", prefill_ready=pb.PrefillReady(kv_session=pb.KvSessionRef(session_id="s"))
     )
-    ready.raw_kv_session = b"\x0a\x01s\xa8\x06\x01"  # type: ignore[attr-defined]  (as the client sets it)
-    chunk = chunk_of(ready)
+    chunk = chunk_of(ready, b"\x0a\x01s\xa8\x06\x01")  # the engine's bytes (StreamHandle.kv_session_bytes)
     assert chunk is not None
     assert base64.b64decode(chunk["disaggregated_params"][KV_SESSION_KEY]) == b"\x0a\x01s\xa8\x06\x01"
     err = pb.GenerateResponse(request_id="r", error=pb.EngineError(code=pb.ErrorCode.INTERNAL))

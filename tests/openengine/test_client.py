@@ -89,6 +89,29 @@ async def test_generate_stream_and_metadata(server: RunningServer, client: Engin
     assert {k: seen.metadata[k] for k in md} == md
 
 
+async def test_prefill_ready_keeps_the_engines_session_bytes(
+    server: RunningServer, client: EngineClient
+) -> None:
+    """The KvSessionRef as the engine sent it (out of field order, a field this schema lacks):
+    what a handoff relays, byte for byte; the parsed event is what the stream yields."""
+    raw = b"\x20\x01" + b"\x0a\x01a" + b"\x9a\x06\x02hi"  # dp_rank before session_id, field 99
+    ready = b"\x22" + bytes([len(raw) + 2]) + b"\x0a" + bytes([len(raw)]) + raw  # prefill_ready.kv_session
+    server.engine.streams["Generate"] = lambda r, md: [
+        bytes(pb.GenerateResponse(request_id=r.request_id, token=pb.TokenOutput(output_index=0))),
+        bytes(pb.GenerateResponse(request_id=r.request_id)) + ready,
+    ]
+    with trio.fail_after(5):
+        async with client.generate(req()) as stream:
+            events = []
+            async for ev in stream:
+                events.append((ev, stream.kv_session_bytes))
+    (token, before), (prefill, after) = events
+    assert token.token is not None and before is None
+    assert prefill.prefill_ready is not None and prefill.prefill_ready.kv_session.session_id == "a"
+    assert after == raw and bytes(prefill.prefill_ready.kv_session) != raw
+    assert stream.terminal_seen
+
+
 async def test_cancel_resets_stream_within_100ms(server: RunningServer, client: EngineClient) -> None:
     gate = Gate()
     server.engine.streams["Generate"] = lambda r, md: [*tokens(r.request_id, 2)[:2], gate]
