@@ -64,7 +64,7 @@ from sidecar.kvbridge import KvBridgeConfig, KvConfigError, KvSourceError, run_k
 from sidecar.kvbridge.options import kv_bridge_config, kv_bridge_options
 from sidecar.north.http import build_app
 from sidecar.north.http_server import HttpLimits, serve_http
-from sidecar.north.limit_options import apply_limit_options, limit_options
+from sidecar.north.limit_options import apply_limit_options, http_limits, limit_options
 from sidecar.north.ws_server import WS_PATH, NorthPlane, WsConfig
 from sidecar.nursery import lone_exception
 from sidecar.openengine.client import open_engine_client
@@ -325,6 +325,20 @@ async def _watchdog(interval: float) -> None:
     show_default=True,
     help="Largest HTTP request line + headers; larger requests get 400.",
 )
+@option(
+    "--http-max-connections",
+    type=click.IntRange(min=0),
+    default=HttpLimits.max_connections,
+    show_default=True,
+    help="Open HTTP connections (more: the oldest idle one is closed, else 503 at accept; 0: no limit).",
+)
+@option(
+    "--http-max-connections-per-peer",
+    type=click.IntRange(min=0),
+    default=HttpLimits.max_connections_per_peer,
+    show_default=True,
+    help="Open HTTP connections per client IP address (IPv6: per /64), likewise (0: no limit).",
+)
 @option("--model", default=None, help="Serve only this model (served name or alias).")
 @option("--expected-engine", default=None, help="Refuse to start unless the engine reports this name.")
 @schema_options
@@ -531,9 +545,7 @@ def run(**opts: Any) -> None:
                 kv=kv,
                 tls=tls,
                 open_probes=opts["open_probes"],
-                http_limits=HttpLimits(
-                    idle_timeout=opts["http_idle_timeout"], max_header_bytes=opts["http_max_header_bytes"]
-                ),
+                http_limits=http_limits(opts),
                 dynamo=dynamo,
             )
         )

@@ -84,7 +84,8 @@ PROTOCOL_ERRORS = Counter(
 LIMIT_REFUSALS = Counter(
     "openengine_sidecar_limit_refusals",
     "Client work refused at a limit (docs/SECURITY.md), by limit: connections, connections_per_peer,"
-    " streams_per_peer, calls_per_connection, client_engine_calls.",
+    " streams_per_peer, calls_per_connection, client_engine_calls; http_connections,"
+    " http_connections_per_peer (probe port: a connection refused or an idle one closed for a new one).",
     ["limit"],
     registry=REGISTRY,
 )

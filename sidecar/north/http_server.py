@@ -13,12 +13,14 @@ What this adds to a plain ``hypercorn.trio.serve`` (docs/SECURITY.md "HTTP liste
   logged, counted (``level="listener"``) and restarted on the same, still-bound socket
   (connections wait in the backlog meanwhile); nothing propagates to the sidecar's nursery.
 - Limits: TLS handshake timeout (equal to the WebSocket listener's), idle/slow-header
-  timeout, request line + header bytes.
+  timeout, request line + header bytes, open connections in total and per peer address
+  (:mod:`sidecar.north.http_connections`: counted from the accept; over a limit the oldest
+  idle connection makes room, so idle floods cannot keep a probe out).
 
-Hypercorn offers no switch for HTTP/2 cleartext nor a per-connection error boundary, so its
-trio connection handler is given our protocol wrapper (:func:`_install`, idempotent; only
-the sidecar's listener runs hypercorn in this process). ``tests/north/test_http_server.py``
-pins that behaviour against the locked hypercorn version.
+Hypercorn offers no switch for HTTP/2 cleartext, no per-connection error boundary and no
+connection limit, so its trio server is given our per-connection server and protocol wrapper
+(:func:`_install`, idempotent; only the sidecar's listener runs hypercorn in this process).
+``tests/north/test_http_server.py`` pins that behaviour against the locked hypercorn version.
 """
 
 from __future__ import annotations
@@ -30,16 +32,20 @@ from functools import partial
 from typing import Any
 
 import h11
+import hypercorn.trio.run
 import hypercorn.trio.tcp_server
 import trio
 from hypercorn.config import Config, Sockets
-from hypercorn.events import Closed, Event
+from hypercorn.events import Closed, Event, Updated
 from hypercorn.protocol import ProtocolWrapper
 from hypercorn.protocol.h11 import H2ProtocolAssumedError, H11Protocol
 from hypercorn.trio.run import worker_serve
+from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.utils import wrap_app
 
 from sidecar.core.metrics import HTTP_FAILURES
+from sidecar.north.http_connections import HttpConnections
+from sidecar.north.peers import peer_of
 from sidecar.quoting import clip
 
 log = logging.getLogger(__name__)
@@ -47,8 +53,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class HttpLimits:
-    """Limits of the HTTP listener (CLI: ``--http-idle-timeout``, ``--http-max-header-bytes``;
-    the TLS handshake timeout is the WebSocket listener's)."""
+    """Limits of the HTTP listener (CLI: ``--http-idle-timeout``, ``--http-max-header-bytes``,
+    ``--http-max-connections``, ``--http-max-connections-per-peer``; the TLS handshake timeout
+    is the WebSocket listener's)."""
 
     #: A TLS client that has not finished its handshake by then is disconnected.
     handshake_timeout: float = 10.0
@@ -59,6 +66,42 @@ class HttpLimits:
     max_header_bytes: int = 16 * 1024
     #: Pause before a failed listener is started again.
     restart_delay: float = 0.5
+    #: Open connections in total and per peer address (0: no limit; see http_connections).
+    max_connections: int = 128
+    max_connections_per_peer: int = 16
+
+
+class _Config(Config):
+    """hypercorn's config, plus the listener's connection table (read by :class:`_CountedServer`)."""
+
+    connections: HttpConnections | None = None
+
+
+class _CountedServer(TCPServer):
+    """One accepted connection, counted in the listener's :class:`HttpConnections` from the
+    accept (before a TLS handshake) to the close; its requests mark it busy, their ends idle."""
+
+    async def run(self) -> None:
+        table: HttpConnections | None = getattr(self.config, "connections", None)
+        if table is None:
+            await super().run()
+            return
+        self.peer = peer_of(self.stream)
+        if not await table.admit(self):
+            await trio.aclose_forcefully(self.stream)
+            return
+        try:
+            await super().run()
+        except trio.ClosedResourceError:
+            pass  # closed to make room (HttpConnections.admit); hypercorn expects none mid-handshake
+        finally:
+            table.release(self)
+
+    async def protocol_send(self, event: Event) -> None:
+        table: HttpConnections | None = getattr(self.config, "connections", None)
+        if table is not None and isinstance(event, Updated):
+            table.busy(self, not event.idle)
+        await super().protocol_send(event)
 
 
 class _Http11Only(H11Protocol):
@@ -130,10 +173,12 @@ def _describe(exc: BaseException) -> str:
 
 def _install() -> None:
     hypercorn.trio.tcp_server.ProtocolWrapper = _GuardedProtocol  # type: ignore[misc]
+    hypercorn.trio.run.TCPServer = _CountedServer  # type: ignore[misc]
 
 
 def _config(bind: str, certfile: str | None, keyfile: str | None, limits: HttpLimits) -> Config:
-    config = Config()
+    config = _Config()
+    config.connections = HttpConnections(limits.max_connections, limits.max_connections_per_peer)
     config.bind = [bind]
     config.accesslog = None
     config.errorlog = None

@@ -21,6 +21,7 @@ import click
 from sidecar.cli_options import option
 from sidecar.core.lifecycle import LifecycleConfig
 from sidecar.core.sidecar import SidecarConfig
+from sidecar.north.http_server import HttpLimits
 from sidecar.north.ws_server import WsConfig
 from sidecar.openengine.message_limits import EngineLimits
 
@@ -138,4 +139,15 @@ def apply_limit_options(values: Mapping[str, Any], ws: WsConfig, config: Sidecar
         config.engine_limits,
         max_event_bytes=values["engine_max_event_bytes"],
         max_answer_bytes=values["engine_max_answer_bytes"],
+    )
+
+
+def http_limits(values: Mapping[str, Any]) -> HttpLimits:
+    """The HTTP listener's limits from ``run``'s ``--http-*`` flags (the TLS handshake timeout
+    is set from ``--handshake-timeout`` when serving)."""
+    return HttpLimits(
+        idle_timeout=values["http_idle_timeout"],
+        max_header_bytes=values["http_max_header_bytes"],
+        max_connections=values["http_max_connections"],
+        max_connections_per_peer=values["http_max_connections_per_peer"],
     )

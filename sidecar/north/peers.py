@@ -96,11 +96,19 @@ class PeerLimits:
     """Open connections (total, per peer) and open streams per peer of one listener.
 
     ``max_connections`` / ``max_connections_per_peer`` / ``max_streams_per_peer``: 0 = no limit.
+    ``prefix`` goes before the connection limits' names (metric label, log): ``"http_"`` for
+    the HTTP listener's.
     """
 
     def __init__(
-        self, max_connections: int = 0, max_connections_per_peer: int = 0, max_streams_per_peer: int = 0
+        self,
+        max_connections: int = 0,
+        max_connections_per_peer: int = 0,
+        max_streams_per_peer: int = 0,
+        *,
+        prefix: str = "",
     ) -> None:
+        self.prefix = prefix
         self.max_connections = max_connections
         self.max_connections_per_peer = max_connections_per_peer
         self.max_streams_per_peer = max_streams_per_peer
@@ -117,10 +125,10 @@ class PeerLimits:
         """Count a new connection of ``peer``; the name of the limit it exceeds instead (then
         it is not counted)."""
         if self.max_connections and self.connections >= self.max_connections:
-            return "connections"
+            return self.prefix + "connections"
         held = self._per_peer.get(peer, 0)
         if self.max_connections_per_peer and held >= self.max_connections_per_peer:
-            return "connections_per_peer"
+            return self.prefix + "connections_per_peer"
         self.connections += 1
         self._per_peer[peer] = held + 1
         return None

@@ -1,6 +1,7 @@
 """The HTTP listener in process, on real loopback sockets: HTTP/1.1 only, one failing
 connection or listener never ends the server, no redirect to a client's Host, bounded
-handshakes / slow headers / header size, the Bearer scheme in any case (docs/SECURITY.md)."""
+handshakes / slow headers / header size / connections (in total and per peer, idle ones
+making room), the Bearer scheme in any case (docs/SECURITY.md)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import pytest
 import trio
 import trustme
 
-from sidecar.core.metrics import HTTP_FAILURES
+from sidecar.core.metrics import HTTP_FAILURES, LIMIT_REFUSALS
 from sidecar.north import http_server
 from sidecar.north.auth import bearer_matches
 from sidecar.north.http import build_app
@@ -254,3 +255,104 @@ async def test_slow_headers_idle_and_oversized_headers_are_cut_off() -> None:
                         if reply:
                             break
                 assert reply.startswith(b"HTTP/1.1 431"), reply[:60]
+
+
+def refusals(limit: str) -> float:
+    return float(LIMIT_REFUSALS.labels(limit)._value.get())
+
+
+async def still_open(stream: trio.SocketStream) -> bool:
+    """Whether the server has not closed ``stream`` (it never sent anything on it)."""
+    with trio.move_on_after(0.05):
+        try:
+            return bool(await stream.receive_some(1))
+        except trio.BrokenResourceError:
+            return False
+    return True
+
+
+async def idle_connections(port: int, count: int, source: str) -> list[trio.SocketStream]:
+    return [await trio.open_tcp_stream("127.0.0.1", port, local_address=source) for _ in range(count)]
+
+
+async def test_idle_floods_make_room_for_a_probe_in_total_and_per_peer() -> None:
+    """Over ``max_connections_per_peer`` the peer's oldest idle connection is closed for the
+    new one; over ``max_connections`` the oldest idle of any peer. A probe from the flooding
+    address itself, or from another, is served at once; the flood never holds more than the
+    limits."""
+    limits = HttpLimits(max_connections=8, max_connections_per_peer=4)
+    per_peer, total = refusals("http_connections_per_peer"), refusals("http_connections")
+    with trio.fail_after(30):
+        async with listener(limits) as port:
+            flood = await idle_connections(port, 40, "127.0.0.1")
+            start = trio.current_time()
+            assert (await get(port, "/health")).status_code == 200  # from the flooding address
+            assert trio.current_time() - start < 1
+            held = [s for s in flood if await still_open(s)]
+            assert held == flood[-3:]  # 4 allowed: the probe took the oldest's place
+            assert refusals("http_connections_per_peer") - per_peer == 40 - 4 + 1
+            others = [await idle_connections(port, 4, f"127.0.0.{i}") for i in (2, 3)]
+            assert [await still_open(s) for s in flood[-3:]] == [False, False, False]
+            assert sum([await still_open(s) for group in others for s in group]) == 8
+            assert refusals("http_connections") - total == 3  # 11 idle by then; 8 allowed
+            async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(local_address="127.0.0.4")) as c:
+                assert (await c.get(f"http://127.0.0.1:{port}/health", timeout=2)).status_code == 200
+            for s in flood + [s for group in others for s in group]:
+                await s.aclose()
+
+
+async def test_a_new_connection_is_refused_when_none_is_idle() -> None:
+    """Connections with a request in progress are never closed to make room: the new one is
+    answered 503 (``Retry-After``) at once and not counted; the busy ones are answered."""
+    release = trio.Event()
+
+    async def slow_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    limits = HttpLimits(max_connections=2, max_connections_per_peer=2)
+    before = refusals("http_connections")
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(partial(serve_http, slow_app, "127.0.0.1:0", limits=limits))
+            busy = await idle_connections(port, 2, "127.0.0.2")
+            for s in busy:
+                await s.send_all(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+            refused = await raw_exchange(port, b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert refused.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in refused
+            assert b"http_connections" in refused
+            assert refusals("http_connections") - before == 1
+            release.set()
+            for s in busy:
+                assert (await s.receive_some(1024)).startswith(b"HTTP/1.1 200")
+                await s.aclose()
+            nursery.cancel_scope.cancel()
+
+
+async def test_tls_connections_count_from_the_accept(tmp_path: Path) -> None:
+    """Half-open TLS handshakes hold connections too: they are counted (and make room) from
+    the TCP accept, before hypercorn's handshake."""
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    certfile, keyfile = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert.private_key_and_cert_chain_pem.write_to_path(str(certfile))
+    cert.private_key_pem.write_to_path(str(keyfile))
+    limits = HttpLimits(max_connections=8, max_connections_per_peer=4)
+    before = refusals("http_connections_per_peer")
+    with trio.fail_after(30):
+        async with listener(limits, certfile=str(certfile), keyfile=str(keyfile)) as port:
+            silent = await idle_connections(port, 10, "127.0.0.1")  # never start the handshake
+            assert [await still_open(s) for s in silent] == [False] * 6 + [True] * 4
+            ctx = ssl.create_default_context()
+            ca.configure_trust(ctx)
+            async with httpx.AsyncClient(verify=ctx) as client:
+                assert (await client.get(f"https://127.0.0.1:{port}/health", timeout=5)).status_code == 200
+            assert refusals("http_connections_per_peer") - before == 6 + 1
+            for s in silent:
+                await s.aclose()

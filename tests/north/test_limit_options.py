@@ -10,7 +10,8 @@ from click.testing import CliRunner
 
 from sidecar.core.lifecycle import LifecycleConfig
 from sidecar.core.sidecar import SidecarConfig
-from sidecar.north.limit_options import apply_limit_options
+from sidecar.north.http_server import HttpLimits
+from sidecar.north.limit_options import apply_limit_options, http_limits
 from sidecar.north.ws_server import WsConfig
 from sidecar.openengine.message_limits import EngineLimits
 from sidecar.run_command import run
@@ -59,10 +60,27 @@ def test_values_reach_their_configs() -> None:
     assert (config.engine_limits.max_event_bytes, config.engine_limits.max_answer_bytes) == (65536, 1 << 20)
 
 
+def test_http_limits_reach_their_config() -> None:
+    assert http_limits(parsed()) == HttpLimits()
+    assert (HttpLimits().max_connections, HttpLimits().max_connections_per_peer) == (128, 16)
+    limits = http_limits(
+        parsed(
+            "--http-max-connections=0",
+            "--http-max-connections-per-peer=3",
+            "--http-idle-timeout=2",
+            "--http-max-header-bytes=4096",
+        )
+    )
+    assert (limits.max_connections, limits.max_connections_per_peer) == (0, 3)
+    assert (limits.idle_timeout, limits.max_header_bytes) == (2.0, 4096)
+
+
 def test_environment_variables_are_read(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OPENENGINE_SIDECAR_MAX_CONNECTIONS_PER_PEER", "7")
+    monkeypatch.setenv("OPENENGINE_SIDECAR_HTTP_MAX_CONNECTIONS_PER_PEER", "5")
     ws, _ = configs()
     assert ws.max_connections_per_peer == 7
+    assert http_limits(parsed()).max_connections_per_peer == 5
 
 
 @pytest.mark.parametrize(
@@ -78,6 +96,8 @@ def test_environment_variables_are_read(monkeypatch: pytest.MonkeyPatch) -> None
         "--client-engine-calls=x",
         "--engine-max-event-bytes=1024",
         "--engine-max-answer-bytes=4MiB",
+        "--http-max-connections=-1",
+        "--http-max-connections-per-peer=x",
     ],
 )
 def test_bad_values_are_refused_at_parse_time(flag: str) -> None:

@@ -32,6 +32,9 @@ def test_connections_in_total_and_per_peer() -> None:
     for peer in ("a", "b", "c"):
         limits.disconnect(peer)
     assert limits.connections == 0 and not limits._per_peer
+    http = PeerLimits(max_connections=2, max_connections_per_peer=1, prefix="http_")
+    assert http.connect("a") is None and http.connect("a") == "http_connections_per_peer"
+    assert http.connect("b") is None and http.connect("c") == "http_connections"
 
 
 def test_streams_per_peer() -> None:

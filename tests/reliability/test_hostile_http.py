@@ -20,6 +20,8 @@ import trustme
 from trio_websocket import open_websocket_url
 
 from tests.e2e.harness import Sidecar, mock_engine, sidecar
+from tests.reliability import probe_attacks
+from tests.reliability.attacks import run_scenario
 from tests.reliability.helpers import rss_kib, scrape
 from tests.reliability.test_security import TOKEN, _completes, tls_sidecar
 
@@ -136,3 +138,25 @@ async def test_tls_handshake_timeout_equals_the_websocket_listeners(tmp_path: Pa
             await _still_serving(sc, verify=trusted, ssl_context=trusted)
             metrics = await scrape(sc.http, verify=trusted)
             assert metrics.value("openengine_sidecar_http_failures_total") == 0
+
+
+async def test_idle_connection_flood_keeps_probes_answered(aio_loop: Any, tmp_path: Path) -> None:
+    """Issue 15 finding 11 on the probe port: hypercorn has no connection limit, and 3,000
+    idle connections from one address took every file descriptor (``EMFILE``): probes and the
+    engine's connections with them. Now the port holds at most ``--http-max-connections-per-peer``
+    (16) of one address, each new connection closing the oldest idle one: ``/ready`` from
+    elsewhere answers throughout (the bar), no ``EMFILE``, RSS bounded; and most probes from
+    the flooding address itself are answered while the flood churns (one whose request has not
+    arrived yet when 16 newer connections have can lose its place)."""
+    with trio.fail_after(120):
+        run = await run_scenario(probe_attacks.SCENARIOS["probe-connections"], tmp_path)
+    print(run.verdict.line())
+    notes = run.verdict.notes
+    assert run.verdict.within_bar, run.verdict.line()
+    assert notes["EMFILE lines"] == 0 and notes["still open"] <= 16, notes
+    assert notes["sidecar fds added"] <= 16 + 64 + 8, notes  # per peer, refusals lingering, probes
+    assert notes["/ready from 127.0.0.1 s"] < 1 and notes["slowest probe answered s"] < 2, notes
+    assert notes["probes answered share"] >= 0.5, notes
+    assert (
+        run.metrics.value("openengine_sidecar_limit_refusals_total", limit="http_connections_per_peer") > 2000
+    )
