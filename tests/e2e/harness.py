@@ -8,7 +8,7 @@ assertions (``proc.lines``). Leaving the context terminates (then kills) what is
 from __future__ import annotations
 
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,6 +114,15 @@ async def engine_counters(address: str) -> dict[str, Any]:
             load = await client.get_load()
     assert load.attributes is not None
     return load.attributes.to_dict()
+
+
+async def counters_once_aborted(address: str, request_ids: Iterable[str]) -> dict[str, Any] | None:
+    """The engine's counters once each of ``request_ids`` got an Abort, else None (a predicate
+    for :func:`eventually`: an Abort still queued for a slot when its client got the end is
+    sent in the background, so the engine can go idle before it arrives)."""
+    counters = await engine_counters(address)
+    by_id = counters["aborts_received_by_id"]
+    return counters if all(by_id.get(rid, 0) >= 1 for rid in request_ids) else None
 
 
 async def wait_engine_idle(address: str, timeout: float = 10) -> dict[str, Any]:

@@ -6,6 +6,7 @@ import json
 import random
 import re
 import signal
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from sidecar.client.sidecar_client import SidecarConnectionError, open_sidecar
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
 from tests.e2e.harness import (
+    counters_once_aborted,
     engine_counters,
     eventually,
     generate_request,
@@ -26,6 +28,7 @@ from tests.e2e.harness import (
     sidecar,
     wait_engine_idle,
 )
+from tests.reliability.helpers import scrape
 
 pytestmark = pytest.mark.slow
 
@@ -187,19 +190,27 @@ async def test_random_cancels_and_disconnects_leak_nothing(aio_loop: Any, tmp_pa
             async with trio.open_nursery() as nursery:
                 for w in range(50):
                     nursery.start_soon(connection, w, limiter)
-            counters = await wait_engine_idle(engine.address, timeout=30)
+            await wait_engine_idle(engine.address, timeout=30)
+            cancelled = [rid for rid, o in outcomes.items() if o == "cancelled"]
+            counters = await eventually(partial(counters_once_aborted, engine.address, cancelled), timeout=20)
+            retries = (await scrape(sc.http)).value("openengine_sidecar_abort_retries_total")
     by_id = counters["aborts_received_by_id"]
     assert counters["requests_leaked"] == 0
     assert counters["streams_open"] == 0
     assert len(outcomes) + len(disconnected) == 500
+    extra = 0
     for rid, outcome in outcomes.items():
         if outcome == "completed":
             assert by_id.get(rid, 0) == 0, rid
         else:
             assert outcome == "cancelled", (rid, outcome)
-            assert by_id.get(rid, 0) == 1, rid
+            assert by_id.get(rid, 0) >= 1, rid
+            extra += by_id[rid] - 1
     for rid in disconnected:
-        assert by_id.get(rid, 0) <= 1, rid
+        extra += max(0, by_id.get(rid, 0) - 1)
+    # exactly one Abort per stream, but for an attempt that outlived --abort-timeout on a
+    # saturated machine: the sidecar retries it (Abort is idempotent) and counts the retry
+    assert extra <= retries, (extra, retries)
     assert sum(1 for o in outcomes.values() if o == "cancelled") > 150
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import trio
 
-from tests.e2e.harness import engine_counters, eventually, mock_engine, sidecar, wait_engine_idle
+from tests.e2e.harness import counters_once_aborted, eventually, mock_engine, sidecar, wait_engine_idle
 from tests.reliability.helpers import rss_kib, scrape
 from tests.reliability.load import LoadConfig, RoundReport, run_round, summary
 
@@ -37,12 +37,6 @@ def check_round(report: RoundReport, counters: dict[str, Any], retries: float) -
     for rid in report.lost:
         extra += max(0, by_id.get(rid, 0) - 1)
     assert extra <= retries, (extra, retries)
-
-
-async def _all_aborted(address: str, report: RoundReport) -> dict[str, Any] | None:
-    counters = await engine_counters(address)
-    by_id = counters["aborts_received_by_id"]
-    return counters if all(by_id.get(rid, 0) >= 1 for rid in report.cancelled) else None
 
 
 async def test_thousand_concurrent_streams_with_cancels_and_disconnects(
@@ -75,7 +69,9 @@ async def test_thousand_concurrent_streams_with_cancels_and_disconnects(
                 # An Abort still queued for a slot when its client got the end (at most
                 # --abort-timeout later) is sent in the background; the engine can go idle
                 # first (the request finished): wait for those too (bounded).
-                counters = await eventually(partial(_all_aborted, engine.address, report), timeout=20)
+                counters = await eventually(
+                    partial(counters_once_aborted, engine.address, report.cancelled), timeout=20
+                )
                 assert counters["requests_leaked"] == 0 and counters["orphans_expired"] == 0
                 m = await scrape(sc.http)
                 retries = m.value("openengine_sidecar_abort_retries_total")
