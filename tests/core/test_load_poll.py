@@ -20,8 +20,8 @@ from sidecar.openengine import pb
 from sidecar.openengine.client import EngineClient, open_engine_client
 from tests.e2e.harness import ENGINE_READY, spawn_argv
 
-#: Longest pause of the event loop tolerated while polling (a 2-core machine shared with
-#: other test suites: the OS alone causes ~5 ms; the old poller stalled 10-1000 ms).
+#: The payload must cost the old poller (betterproto2 on the loop) at least twice this, or the
+#: test proves nothing (a 2-core machine shared with other suites pauses the loop ~5 ms alone).
 MAX_GAP = 0.025
 
 
@@ -95,7 +95,12 @@ async def test_large_attributes_do_not_stall_the_event_loop(
 
             before = metrics.LOAD_ATTRIBUTES_DROPPED._value.get()
             sidecar, gap = await _poll_and_measure(client, polls=7)
-            assert gap < MAX_GAP, f"event loop stalled {gap * 1e3:.1f} ms (median over polls)"
+            # judged against the old poller's stall measured in this run on this machine: a
+            # busy machine lengthens both alike; converting on the loop stalls ~old_cost
+            assert gap < old_cost / 2, (
+                f"event loop stalled {gap * 1e3:.1f} ms (median over polls); converting on the "
+                f"loop costs {old_cost * 1e3:.1f} ms"
+            )
             snapshot = sidecar.load.snapshot
             assert snapshot is not None and snapshot.running_requests == 0
             if dropped:
