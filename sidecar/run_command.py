@@ -414,7 +414,14 @@ async def _watchdog(interval: float) -> None:
     type=SECONDS_OR_ZERO,
     default=30.0,
     show_default=True,
-    help="Seconds failed Aborts are retried in the background (0: no retry).",
+    help="Seconds failed Aborts are retried in the background before they are kept for re-delivery (0: no retry).",
+)
+@option(
+    "--max-undelivered-aborts",
+    type=click.IntRange(min=0),
+    default=4096,
+    show_default=True,
+    help="Aborts kept, after --abort-retry-window, until the unreachable engine answers again; when full the oldest is dropped and counted (0: give up instead).",
 )
 @option(
     "--max-streams",
@@ -510,6 +517,7 @@ def run(**opts: Any) -> None:
         lifecycle=LifecycleConfig(
             abort_timeout=opts["abort_timeout"],
             abort_retry_window=opts["abort_retry_window"],
+            max_undelivered_aborts=opts["max_undelivered_aborts"],
             inactivity_timeout=opts["inactivity_timeout"],
             first_event_timeout=opts["first_event_timeout"],
             max_streams=opts["max_streams"],

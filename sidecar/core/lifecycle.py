@@ -12,6 +12,9 @@ This module is the sidecar's cancellation contract (docs/LIFECYCLE.md):
   ``Abort{request_id}``: shielded, bounded by ``abort_timeout``; when the engine cannot be
   reached the Abort is handed to a background retrier (exponential backoff within
   ``abort_retry_window``) so the client's ``end`` is never held hostage by a dead engine.
+  Still undelivered after that window (the engine unreachable: a partition, a hang), it is
+  kept — at most ``max_undelivered_aborts``, the oldest dropped and counted — and re-sent
+  once the engine answers again (sidecar/core/abort_backlog.py).
   ``ABORTED``, ``ALREADY_FINISHED`` and ``NOT_FOUND`` all count as done.
 - :meth:`run` always returns exactly one :class:`Outcome`; the caller sends it as the
   stream's single ``end``.
@@ -30,6 +33,7 @@ from typing import Any
 import trio
 
 from sidecar.core import metrics
+from sidecar.core.abort_backlog import REDELIVER_FIRST_PAUSE, REDELIVER_MAX_PAUSE, AbortBacklog
 from sidecar.core.errors import Rejection, error_code_name
 from sidecar.logs import log_context
 from sidecar.openengine import pb
@@ -113,6 +117,8 @@ class LifecycleConfig:
     max_streams: int = 4096
     error_emit_timeout: float = 1.0
     max_concurrent_aborts: int = 64
+    #: Aborts kept for re-delivery after ``abort_retry_window`` (0: given up instead).
+    max_undelivered_aborts: int = 4096
     #: Longest ``request_id`` a client may give (it is echoed in every event of the stream).
     max_request_id_length: int = 256
 
@@ -124,6 +130,8 @@ class Gate:
         self.is_open = True
         self._opened = trio.Event()
         self._opened.set()
+        #: Called when a closed gate opens.
+        self.on_open: Callable[[], None] | None = None
 
     def close(self) -> None:
         if self.is_open:
@@ -131,8 +139,11 @@ class Gate:
             self._opened = trio.Event()
 
     def open(self) -> None:
+        was_closed = not self.is_open
         self.is_open = True
         self._opened.set()
+        if was_closed and self.on_open is not None:
+            self.on_open()
 
     async def wait_open(self) -> None:
         while not self.is_open:
@@ -177,8 +188,8 @@ class EngineProgress:
 class StreamSupervisor:
     """Owns every admitted stream of the sidecar (all connections, all planes).
 
-    Resources: a registry of in-flight request ids and a background nursery for Abort
-    retries (started with :meth:`run_service`). ``draining`` refuses new work with a typed
+    Resources: a registry of in-flight request ids, a background nursery for Abort
+    retries and the re-delivery of undelivered Aborts (started with :meth:`run_service`). ``draining`` refuses new work with a typed
     ``DRAINING`` rejection; :meth:`wait_idle` returns once no stream is in flight.
     """
 
@@ -197,17 +208,29 @@ class StreamSupervisor:
         #: it is done (a late Abort would end the new stream).
         self._aborting: set[str] = set()
         self.progress = EngineProgress()
+        #: Aborts still owed after ``abort_retry_window`` (their ids stay in ``_aborting``).
+        self.backlog = AbortBacklog(self.config.max_undelivered_aborts)
         #: Closed by the engine watch while the engine is lost (background Aborts wait).
         self.engine_reachable = Gate()
+        self.engine_reachable.on_open = self.backlog.answered
 
     # -- service ---------------------------------------------------------------------------
 
     async def run_service(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """Host background Abort retries until cancelled (start in the root nursery)."""
-        async with trio.open_nursery() as nursery:
-            self._retry_nursery = nursery
-            task_status.started()
-            await trio.sleep_forever()
+        """Host background Abort retries and the re-delivery of undelivered Aborts until
+        cancelled (start in the root nursery). Aborts still undelivered then are logged."""
+        try:
+            async with trio.open_nursery() as outer, trio.open_nursery() as nursery:
+                if self.backlog.cap:
+                    outer.start_soon(self._redeliver)
+                self._retry_nursery = nursery
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            if len(self.backlog):
+                log.warning(
+                    "%d Aborts never reached the engine (unreachable until the end)", len(self.backlog)
+                )
 
     # -- admission -------------------------------------------------------------------------
 
@@ -342,13 +365,61 @@ class StreamSupervisor:
                 await answered.wait()
 
     async def _abort_in_background(self, request_id: str, answered: trio.Event) -> None:
+        parked = False
         try:
             retry, attempted = await self._first_attempt(request_id, answered)
             if retry:
-                await self._retry_abort_until_done(request_id, attempted)
+                parked = await self._retry_abort_until_done(request_id, attempted)
         finally:
             answered.set()
-            self._aborting.discard(request_id)
+            if not parked:
+                self._aborting.discard(request_id)
+
+    def _park(self, request_id: str) -> None:
+        """Keep an Abort the engine could not be reached for (its id stays in ``_aborting``,
+        so it is not admitted again meanwhile); the oldest kept is dropped when full."""
+        dropped = self.backlog.add(request_id)
+        if dropped is not None:
+            self._aborting.discard(dropped)
+
+    async def _redeliver(self) -> None:
+        """Re-send the backlog's Aborts: the oldest first, as a probe; once it got an answer,
+        all the others (within the Abort slots). No answer: pause (doubling up to
+        ``REDELIVER_MAX_PAUSE``, cut short when the engine answers anything or the engine watch
+        finds it back) and probe again."""
+        pause = REDELIVER_FIRST_PAUSE
+        while True:
+            await self.backlog.wait_nonempty()
+            await self.engine_reachable.wait_open()
+            oldest = self.backlog.oldest()
+            if oldest is not None and not await self._deliver_kept(oldest):
+                await self.backlog.pause(pause * random.uniform(0.5, 1.5))
+                pause = min(pause * 2, REDELIVER_MAX_PAUSE)
+                continue
+            pause = REDELIVER_FIRST_PAUSE
+            async with trio.open_nursery() as nursery:
+                for request_id in self.backlog.ids():
+                    nursery.start_soon(self._deliver_kept, request_id)
+
+    async def _deliver_kept(self, request_id: str) -> bool:
+        """One attempt for a kept Abort; True when it is done with (answered, or failed for
+        good), False when the engine is still out of reach."""
+        async with self._abort_slots:
+            if request_id not in self.backlog:  # dropped, or delivered by another round
+                return True
+            with trio.move_on_after(self.config.abort_timeout):
+                try:
+                    result = await self._abort_once(request_id)
+                except _RetryableAbort:
+                    return False
+                except EngineClientError as err:
+                    log.warning("abort of %s failed: %s", quote(request_id), err)
+                    result = "failed"
+                metrics.child(metrics.ABORTS, result).inc()
+                self.backlog.discard(request_id)
+                self._aborting.discard(request_id)
+                return True
+            return False
 
     async def _first_attempt(self, request_id: str, answered: trio.Event) -> tuple[bool, bool]:
         """One Abort attempt (a slot, then the call, each within ``abort_timeout``); sets
@@ -382,24 +453,28 @@ class StreamSupervisor:
             resp = await self.engine.abort(pb.AbortRequest(request_id=request_id))
         except EngineStatusError as err:
             if err.status == "NOT_FOUND":
+                self.backlog.answered()
                 return "not_found"
             if err.retryable:
                 raise _RetryableAbort from err
             raise
         except EngineUnavailable as err:
             raise _RetryableAbort from err
+        self.backlog.answered()
         if resp.status == pb.AbortStatus.ALREADY_FINISHED:
             return "already_finished"
         return "aborted"
 
-    async def _retry_abort_until_done(self, request_id: str, attempted: bool) -> None:
+    async def _retry_abort_until_done(self, request_id: str, attempted: bool) -> bool:
         """Retry an Abort in the background within ``abort_retry_window``. ``attempted`` False:
         it never got a slot (a mass disconnect's queue), so its first attempt is no retry: it
         waits for a slot without a backoff pause and is not counted in ``abort_retries``. While
         the engine is known to be lost
         (``engine_reachable`` closed by the engine watch), they wait and the window does not
         run: a frozen engine gets its Aborts when it runs again, however long it was gone.
-        (Their number is bounded: a lost engine admits no new stream.)"""
+        (Their number is bounded: a lost engine admits no new stream.) Still unanswered when
+        the window is over: kept in the backlog for :meth:`_redeliver` (returns True), unless
+        ``max_undelivered_aborts`` is 0."""
         deadline = trio.current_time() + self.config.abort_retry_window
         delay = 0.05
         while trio.current_time() < deadline:
@@ -418,14 +493,24 @@ class StreamSupervisor:
                 with trio.move_on_after(self.config.abort_timeout):
                     try:
                         metrics.child(metrics.ABORTS, await self._abort_once(request_id)).inc()
-                        return
+                        return False
                     except _RetryableAbort:
                         continue
                     except EngineClientError as err:
                         log.warning("abort of %s failed: %s", quote(request_id), err)
-                        break
+                        metrics.child(metrics.ABORTS, "failed").inc()
+                        return False
+        if self.backlog.cap:
+            log.info(
+                "abort of %s undelivered after %.0fs; kept to be re-sent when the engine answers",
+                quote(request_id),
+                self.config.abort_retry_window,
+            )
+            self._park(request_id)
+            return True
         metrics.child(metrics.ABORTS, "failed").inc()
         log.warning("abort of %s gave up after %.0fs", quote(request_id), self.config.abort_retry_window)
+        return False
 
 
 class _RetryableAbort(Exception):

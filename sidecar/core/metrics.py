@@ -45,8 +45,20 @@ ITL = Histogram(
 )
 ABORTS = Counter(
     "openengine_sidecar_aborts",
-    "Abort calls to the engine by result (aborted, already_finished, not_found, failed).",
+    "Aborts by result (aborted, already_finished, not_found, failed; dropped: an undelivered Abort"
+    " pushed out of the full --max-undelivered-aborts set, never sent).",
     ["result"],
+    registry=REGISTRY,
+)
+ABORTS_PARKED = Counter(
+    "openengine_sidecar_aborts_parked",
+    "Aborts still undelivered after --abort-retry-window (engine unreachable), kept to be re-sent"
+    " once it answers again.",
+    registry=REGISTRY,
+)
+ABORTS_UNDELIVERED = Gauge(
+    "openengine_sidecar_aborts_undelivered",
+    "Aborts kept for re-delivery now (at most --max-undelivered-aborts).",
     registry=REGISTRY,
 )
 ABORT_RETRIES = Counter("openengine_sidecar_abort_retries", "Abort attempts retried.", registry=REGISTRY)

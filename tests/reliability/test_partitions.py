@@ -26,7 +26,7 @@ import trio
 
 from sidecar.childproc import ENGINE_READY, SIDECAR_READY, loopback_run_args
 from sidecar.client.sidecar_client import open_sidecar
-from tests.e2e.harness import Proc, generate_request, spawn_argv, wait_engine_idle
+from tests.e2e.harness import Proc, engine_counters, generate_request, spawn_argv, wait_engine_idle
 from tests.kvbridge.consumer import Consumer
 from tests.netns import NetnsPair, netns_pair
 from tests.reliability.helpers import scrape
@@ -47,6 +47,8 @@ pytestmark = pytest.mark.slow
 
 ENGINE_PORT, KV_PORT = 50051, 5557
 SILENCE_PROBE = 2.0
+#: How long the engine path stays black-holed while cancelled streams' Aborts are owed.
+PARTITION_OVER_ABORT_WINDOW = 2 * KEEPALIVE_TIMEOUT + 5.0
 
 
 @asynccontextmanager
@@ -147,6 +149,63 @@ async def test_engine_partition_fails_streams_and_reconnects_when_healed(
 
 
 KV_BRIDGED = re.compile(r"KV events bridged from \S+ to rank 0: (\S+) \(replay (\S+)\)")
+
+
+async def test_aborts_undelivered_through_a_partition_longer_than_the_retry_window_land_after(
+    aio_loop: Any, tmp_path: Path
+) -> None:
+    """Streams in flight when the engine's path is black-holed: the HTTP/2 PINGs close their
+    connection, they end ``failed`` retryable and their Aborts are owed — but no new
+    connection gets through, and the partition outlasts ``--abort-retry-window`` before the
+    engine watch finds the engine lost (a slow ``--call-timeout``: two checks of 5 s), so the
+    window runs out. The Aborts are kept, not given up, and re-sent once the path heals: the
+    engine, which holds every orphan (``--orphans hold``, 300 s), ends with nothing leaked."""
+    n = 8
+    with trio.fail_after(150):
+        async with partitioned_pair(
+            tmp_path,
+            *SIDECAR_ARGS,
+            "--health-interval",
+            "600",
+            "--call-timeout",
+            "5",
+            "--inactivity-timeout",
+            "600",
+            "--abort-retry-window",
+            "1",
+        ) as (net, _engine, engine_address, sc):
+            ws, http = urls(sc)
+            with net.entered(net.sidecar):
+                async with open_sidecar(ws) as client:
+                    runs = [Run() for _ in range(n)]
+                    async with trio.open_nursery() as nursery:
+                        for run in runs:
+                            nursery.start_soon(stream, client, run, 2000)
+                        for run in runs:
+                            await run.started.wait()
+                        net.partition()
+                        t0 = trio.current_time()
+                    for run in runs:
+                        assert run.end.outcome == "failed" and run.end.error.retryable, run.end
+                    # the fault: it lasts past the Aborts' 1 s window (and their 1 s attempts)
+                    await trio.sleep(max(0.0, PARTITION_OVER_ABORT_WINDOW - (trio.current_time() - t0)))
+                    assert (await scrape(http)).value("openengine_sidecar_ready") == 1  # never found lost
+                    net.heal()
+                    t1 = trio.current_time()
+                try:
+                    counters = await wait_engine_idle(engine_address, timeout=30)
+                except trio.TooSlowError:
+                    raise AssertionError(  # noqa: B904 - the counters say more than the timeout
+                        f"the engine still holds requests: {await engine_counters(engine_address)}"
+                    )
+                redelivered = trio.current_time() - t1
+                assert_no_leak(counters)
+                assert sum(counters["aborts_received_by_id"].values()) >= n
+                m = await scrape(http)
+                assert m.value("openengine_sidecar_aborts_parked_total") == n
+                assert m.value("openengine_sidecar_aborts_undelivered") == 0
+                assert m.value("openengine_sidecar_aborts_total", result="dropped") == 0
+                print(f"{n} Aborts kept through the partition, delivered {redelivered:.1f}s after it healed")
 
 
 def stored_hashes(events: list[dict[str, Any]]) -> list[Any]:
