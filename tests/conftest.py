@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import pytest
 import trio_asyncio
 
-from tests.openengine.fake_engine import FakeEngine, RunningServer
+from tests.openengine.fake_grpc_engine import FakeGrpcEngine, RunningServer
 
 
 @pytest.fixture
@@ -19,8 +19,8 @@ async def aio_loop() -> AsyncIterator[trio_asyncio.TrioEventLoop]:
 
 @pytest.fixture
 async def server(aio_loop: trio_asyncio.TrioEventLoop) -> AsyncIterator[RunningServer]:
-    """The scriptable fake engine (tests/openengine/fake_engine.py) on loopback gRPC."""
-    srv = RunningServer(FakeEngine())
+    """The scriptable fake engine (tests/openengine/fake_grpc_engine.py) on loopback gRPC."""
+    srv = RunningServer(FakeGrpcEngine())
     await srv.start()
     yield srv
     await srv.stop()

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
-from typing import Any
-
-import trio
+from collections.abc import Sequence
 
 from sidecar.core.card import WorkerCard, build_card
 from sidecar.core.negotiation import negotiate
 from sidecar.openengine import pb
-from sidecar.openengine.client import EngineStream
-from sidecar.openengine.errors import EngineStatusError
 from sidecar.openengine.revision import SCHEMA_RELEASE
-from sidecar.openengine.stream_rules import GenerateRules
 
 R = pb.EngineRole
 M = pb.Modality
@@ -214,125 +207,3 @@ def trtllm_card(role: pb.EngineRole = R.AGGREGATED, **kw: object) -> WorkerCard:
 def sglang_card(role: pb.EngineRole = R.PREFILL, *, dp: int = 2, **kw: object) -> WorkerCard:
     kw.setdefault("loras", None)
     return card_of(sglang_info(role, dp=dp), **kw)  # type: ignore[arg-type]
-
-
-def status(name: str) -> EngineStatusError:
-    return EngineStatusError(
-        name, {"UNIMPLEMENTED": 12, "NOT_FOUND": 5, "INTERNAL": 13}.get(name, 2), "x", None
-    )
-
-
-#: A Generate script: sends the engine's events for one request (then returns: end of stream).
-Script = Callable[[pb.GenerateRequest, trio.MemorySendChannel[pb.GenerateResponse]], Awaitable[None]]
-
-
-def tokens_every(seconds: float, n: int) -> Script:
-    """A script: ``n`` tokens ``seconds`` apart, then the finish (never ends when ``n`` < 0)."""
-
-    async def script(request: pb.GenerateRequest, send: trio.MemorySendChannel[pb.GenerateResponse]) -> None:
-        i = 0
-        while n < 0 or i < n:
-            await trio.sleep(seconds)
-            await send.send(
-                pb.GenerateResponse(
-                    request_id=request.request_id, token=pb.TokenOutput(output_index=0, text=f"t{i}")
-                )
-            )
-            i += 1
-        await send.send(
-            pb.GenerateResponse(
-                request_id=request.request_id,
-                finished=pb.GenerationFinished(output_index=0, reason=pb.FinishReason.LENGTH),
-                usage=pb.Usage(prompt_tokens=1, completion_tokens=n, total_tokens=n + 1),
-            )
-        )
-
-    return script
-
-
-class FakeClient:
-    """An in-memory engine client (no network, so tests may run on trio's MockClock).
-
-    Discovery answers come from hand-built messages (``shape``); ``fail`` maps a method to the
-    exception it raises; ``health_script`` (async) answers Health; Generate streams run
-    ``script`` and go through the real :class:`~sidecar.openengine.client.EngineStream` rules;
-    ``abort_delay`` holds every Abort that long. ``calls`` records what was called.
-    """
-
-    def __init__(
-        self,
-        shape: tuple[pb.ServerInfo, dict[str, pb.ModelInfo]],
-        *,
-        sources: list[pb.KvEventSource] | None = None,
-        loras: list[pb.LoraAdapter] | None = None,
-        fail: dict[str, Exception] | None = None,
-        script: Script | None = None,
-        abort_delay: float = 0.0,
-    ) -> None:
-        self.info, self.models = shape
-        self.sources = sources or []
-        self.loras = loras or []
-        self.fail = fail or {}
-        self.calls: list[str] = []
-        self.script = script or tokens_every(0.01, 3)
-        self.abort_delay = abort_delay
-        self.health_script: Callable[[], Awaitable[pb.HealthResponse]] | None = None
-        self.address = "fake:1"
-
-    def _call(self, name: str) -> None:
-        self.calls.append(name)
-        if name in self.fail:
-            raise self.fail[name]
-
-    async def get_server_info(self) -> pb.ServerInfo:
-        self._call("GetServerInfo")
-        return self.info
-
-    async def get_model_info(self, model: str = "") -> pb.ModelInfo:
-        self._call(f"GetModelInfo:{model}")
-        if model not in self.models:
-            raise status("NOT_FOUND")
-        return self.models[model]
-
-    async def get_kv_event_sources(
-        self, request: pb.GetKvEventSourcesRequest | None = None
-    ) -> pb.GetKvEventSourcesResponse:
-        self._call("GetKvEventSources")
-        return pb.GetKvEventSourcesResponse(sources=self.sources)
-
-    async def list_loras(self) -> pb.ListLorasResponse:
-        self._call("ListLoras")
-        return pb.ListLorasResponse(adapters=self.loras)
-
-    async def health(self) -> pb.HealthResponse:
-        self._call("Health")
-        if self.health_script is not None:
-            return await self.health_script()
-        return pb.HealthResponse(state=pb.HealthState.READY)
-
-    async def probe_liveness(self) -> None:
-        self._call("ProbeLiveness")
-
-    async def abort(self, request: pb.AbortRequest) -> pb.AbortResponse:
-        self._call(f"Abort:{request.request_id}")
-        await trio.sleep(self.abort_delay)
-        return pb.AbortResponse(status=pb.AbortStatus.ABORTED)
-
-    @asynccontextmanager
-    async def generate(
-        self, request: pb.GenerateRequest, *, metadata: Any = None
-    ) -> AsyncIterator[EngineStream[pb.GenerateResponse]]:
-        self._call(f"Generate:{request.request_id}")
-        send, receive = trio.open_memory_channel[pb.GenerateResponse](64)
-        stream = EngineStream(receive, GenerateRules.for_request(request), request.request_id)
-        async with trio.open_nursery() as nursery:
-
-            async def run() -> None:
-                async with send:
-                    await self.script(request, send)
-
-            nursery.start_soon(run)
-            try:
-                yield stream
-            finally:
-                nursery.cancel_scope.cancel()

@@ -14,7 +14,7 @@ import trio
 from sidecar.core.card import card_from_json
 from sidecar.core.describe_command import DescribeFailed, describe_engine, format_card
 from sidecar.openengine import pb
-from tests.openengine.fake_engine import FakeEngine, Gate, RunningServer, Status, status
+from tests.openengine.fake_grpc_engine import FakeGrpcEngine, Gate, RunningServer, Status, status
 
 from .shapes import R, sglang_card, sglang_info, trtllm_card, vllm_card, vllm_info
 
@@ -66,7 +66,7 @@ def _raise(code: Status) -> Any:
 
 @pytest.fixture
 async def engine(aio_loop: Any) -> AsyncIterator[RunningServer]:
-    fake = FakeEngine()
+    fake = FakeGrpcEngine()
     info, models = vllm_info(dp=2)
     fake.unary["GetServerInfo"] = lambda r: info
     fake.unary["GetModelInfo"] = lambda r: (

@@ -7,8 +7,9 @@ from sidecar.core.discovery import compare_cards, discover
 from sidecar.core.errors import DiscoveryError, NegotiationError
 from sidecar.openengine import pb
 from sidecar.openengine.errors import EngineUnavailable
+from tests.fake_engine import FakeEngine, status
 
-from .shapes import FakeClient, R, sglang_info, status, trtllm_info, vllm_card, vllm_info
+from .shapes import R, sglang_info, trtllm_info, vllm_card, vllm_info
 
 
 async def test_vllm_discovery_sequence() -> None:
@@ -16,7 +17,7 @@ async def test_vllm_discovery_sequence() -> None:
         transport="zmq", endpoint_addr=pb.KvEndpoint(host="h", port=5557), encoding="msgpack"
     )
     lora = pb.LoraAdapter(lora_id=3, lora_name="chat", source_path="/a/chat")
-    client = FakeClient(vllm_info(), sources=[src], loras=[lora])
+    client = FakeEngine(vllm_info(), sources=[src], loras=[lora])
     card = await discover(client)
     assert client.calls == ["GetServerInfo", "GetModelInfo:llama", "GetKvEventSources", "ListLoras"]
     assert card.problems == []
@@ -28,18 +29,18 @@ async def test_vllm_discovery_sequence() -> None:
 
 async def test_kv_sources_unimplemented_and_other_failures_are_unknown() -> None:
     for name in ("UNIMPLEMENTED", "INTERNAL"):
-        client = FakeClient(vllm_info(), fail={"GetKvEventSources": status(name)})
+        client = FakeEngine(vllm_info(), fail={"GetKvEventSources": status(name)})
         card = await discover(client)
         assert card.kv_event_sources is None
 
 
 async def test_lora_listing() -> None:
-    client = FakeClient(vllm_info(), fail={"ListLoras": status("UNIMPLEMENTED")})
+    client = FakeEngine(vllm_info(), fail={"ListLoras": status("UNIMPLEMENTED")})
     assert (await discover(client)).lora_adapters is None
-    client = FakeClient(trtllm_info())  # supports_lora False everywhere
+    client = FakeEngine(trtllm_info())  # supports_lora False everywhere
     assert (await discover(client)).lora_adapters == []
     assert "ListLoras" not in client.calls
-    client = FakeClient(sglang_info())  # supports_lora unreported
+    client = FakeEngine(sglang_info())  # supports_lora unreported
     assert (await discover(client)).lora_adapters is None
     assert "ListLoras" not in client.calls
 
@@ -47,23 +48,23 @@ async def test_lora_listing() -> None:
 async def test_negotiation_failure_stops_discovery() -> None:
     info, models = vllm_info()
     info.schema_release = "main"
-    client = FakeClient((info, models))
+    client = FakeEngine((info, models))
     with pytest.raises(NegotiationError, match="not an immutable"):
         await discover(client)
     assert client.calls == ["GetServerInfo"]
     with pytest.raises(NegotiationError, match="expected engine 'sglang'"):
-        await discover(FakeClient(vllm_info()), expected_engine="sglang")
+        await discover(FakeEngine(vllm_info()), expected_engine="sglang")
 
 
 async def test_model_info_failure_is_fatal() -> None:
     info, models = vllm_info()
     info.supported_models = ["llama", "ghost"]
     with pytest.raises(DiscoveryError, match=r"GetModelInfo\('ghost'\) failed"):
-        await discover(FakeClient((info, models)))
+        await discover(FakeEngine((info, models)))
 
 
 async def test_transport_failure_propagates() -> None:
-    client = FakeClient(vllm_info(), fail={"GetModelInfo:llama": EngineUnavailable("connection lost")})
+    client = FakeEngine(vllm_info(), fail={"GetModelInfo:llama": EngineUnavailable("connection lost")})
     with pytest.raises(EngineUnavailable):
         await discover(client)
 
@@ -74,8 +75,8 @@ async def test_strict_and_lenient() -> None:
     with pytest.raises(
         DiscoveryError, match="cannot serve vllm: decode engine advertises no enabled KV connector"
     ):
-        await discover(FakeClient((info, models)))
-    card = await discover(FakeClient((info, models)), strict=False)
+        await discover(FakeEngine((info, models)))
+    card = await discover(FakeEngine((info, models)), strict=False)
     assert card.problems == ["decode engine advertises no enabled KV connector"]
 
 
@@ -83,17 +84,17 @@ async def test_model_filter_and_duplicates() -> None:
     info, models = vllm_info()
     info.supported_models = ["llama", "llama", "other", ""]
     models["other"] = pb.ModelInfo(served_model_name="other", served_model_aliases=["o2"])
-    client = FakeClient((info, models))
+    client = FakeEngine((info, models))
     card = await discover(client, model="o2")
     assert [m.served_model_name for m in card.models] == ["other"]
     assert client.calls.count("GetModelInfo:llama") == 1
     with pytest.raises(DiscoveryError, match="model 'zzz' is not served"):
-        await discover(FakeClient((info, models)), model="zzz")
+        await discover(FakeEngine((info, models)), model="zzz")
 
 
 async def test_reuses_given_server_info() -> None:
     shape = vllm_info()
-    client = FakeClient(shape)
+    client = FakeEngine(shape)
     await discover(client, info=shape[0])
     assert "GetServerInfo" not in client.calls
 

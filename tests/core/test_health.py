@@ -10,22 +10,21 @@ import pytest
 from sidecar.core.errors import Rejection
 from sidecar.core.health import ENGINE_STATES, HealthStatus, ask_engine, state_name
 from sidecar.openengine import pb
+from tests.fake_engine import FakeEngine
 
 from .shapes import vllm_card
 
 LOCAL = HealthStatus(ready=True, reason=None, draining=False, engine_state="ready", active_streams=0)
 
 
-class Engine:
-    """Records the HealthRequests it gets and answers ``answer``."""
+def engine_answering(answer: pb.HealthResponse) -> FakeEngine:
+    engine = FakeEngine()
 
-    def __init__(self, answer: pb.HealthResponse) -> None:
-        self.answer = answer
-        self.requests: list[pb.HealthRequest] = []
+    async def health() -> pb.HealthResponse:
+        return answer
 
-    async def health(self, request: pb.HealthRequest) -> pb.HealthResponse:
-        self.requests.append(request)
-        return self.answer
+    engine.health_script = health
+    return engine
 
 
 def test_engine_state_vocabulary() -> None:
@@ -39,10 +38,10 @@ async def test_model_is_resolved_before_the_engine_and_forwarded_as_served_name(
     card = vllm_card()
     served = card.models[0].served_model_name
     alias = card.models[0].aliases[0]
-    engine = Engine(pb.HealthResponse(state=pb.HealthState.READY))
+    engine = engine_answering(pb.HealthResponse(state=pb.HealthState.READY))
     request = pb.HealthRequest(include_inference_probe=True, model=alias, role=pb.EngineRole.AGGREGATED)
     out = await ask_engine(engine, card, request, LOCAL, 5.0)  # type: ignore[arg-type]
-    assert engine.requests == [
+    assert engine.health_requests == [
         pb.HealthRequest(include_inference_probe=True, model=served, role=pb.EngineRole.AGGREGATED)
     ]
     assert out.ready and out.engine is not None and out.engine.state == "ready"
@@ -50,7 +49,7 @@ async def test_model_is_resolved_before_the_engine_and_forwarded_as_served_name(
         with pytest.raises(Rejection) as info:
             await ask_engine(engine, card, pb.HealthRequest(model=name), LOCAL, 5.0)  # type: ignore[arg-type]
         assert info.value.code == pb.ErrorCode.MODEL_NOT_FOUND
-    assert len(engine.requests) == 1  # refused before the engine
+    assert len(engine.health_requests) == 1  # refused before the engine
 
 
 @pytest.mark.parametrize(
@@ -69,7 +68,7 @@ async def test_model_is_resolved_before_the_engine_and_forwarded_as_served_name(
     ],
 )
 async def test_engine_answer_folded_into_readiness(local: Any, answer: Any, ready: bool, reason: Any) -> None:
-    engine = Engine(
+    engine = engine_answering(
         pb.HealthResponse(
             state=answer,
             checks=[

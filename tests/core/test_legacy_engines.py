@@ -23,7 +23,7 @@ from sidecar.core.sidecar import Sidecar, SidecarConfig, StartupError
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
 from tests.core.shapes import R, vllm_info
-from tests.openengine.fake_engine import FakeEngine, RunningServer
+from tests.openengine.fake_grpc_engine import FakeGrpcEngine, RunningServer
 
 DEF = "4def7c50b05e0674a0c3b26917399155535966e4"
 B31 = "31be5dbeaaf5737a008abe9d29f0c07f3e80a4ef"
@@ -33,7 +33,7 @@ UNKNOWN = "0123456789abcdef0123456789abcdef01234567"
 
 @pytest.fixture
 async def engine(aio_loop: Any) -> AsyncIterator[RunningServer]:
-    fake = FakeEngine()
+    fake = FakeGrpcEngine()
     info, models = vllm_info()
     fake.unary["GetServerInfo"] = lambda r: info
     fake.unary["GetModelInfo"] = lambda r: models[r.model]

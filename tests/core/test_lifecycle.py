@@ -23,7 +23,7 @@ from sidecar.core.lifecycle import (
 )
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
-from tests.openengine.fake_engine import Gate, RunningServer, Status, status, tokens
+from tests.openengine.fake_grpc_engine import Gate, RunningServer, Status, status, tokens
 from tests.polling import eventually
 
 

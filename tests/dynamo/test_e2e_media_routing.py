@@ -33,7 +33,7 @@ from sidecar.mock import tokenizer as tok
 from tests.dynamo.e2e import MODEL, dynamo_sidecar, encode, frontend, require_dynamo
 from tests.dynamo.media import chat, image, png_data_uri, received, request_id, text
 from tests.dynamo.planes import deployment
-from tests.dynamo.test_e2e_kv_routing import make_router, scores_of, words
+from tests.dynamo.routing import make_router, scores_of, words
 from tests.e2e.harness import engine_counters, eventually, mock_engine
 
 require_dynamo()

@@ -18,7 +18,7 @@ import trio
 
 from tests.dynamo.e2e import MODEL, dynamo_sidecar, encode, frontend, require_dynamo, tokenizer_dir
 from tests.dynamo.planes import deployment
-from tests.dynamo.test_e2e_kv_routing import make_router, scores_of, warm, words
+from tests.dynamo.routing import make_router, scores_of, warm, words
 from tests.e2e.harness import eventually, mock_engine
 
 require_dynamo()

@@ -18,7 +18,7 @@ import msgspec
 import trio
 import zmq
 
-from tests.kvbridge.fake_engine import END, zrecv
+from tests.kvbridge.fake_zmq_engine import END, zrecv
 
 EVENT_TYPES = {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
 STORED_REQUIRED = {

@@ -13,11 +13,11 @@ from sidecar.kvbridge import GrpcSource, KvConfigError, ZmqSource, run_kv_bridge
 from sidecar.kvbridge.service import KvBridgeConfig
 from tests.kvbridge import gen
 from tests.kvbridge.consumer import Consumer, decode_payload
-from tests.kvbridge.fake_engine import END, FakeEngine, zrecv
+from tests.kvbridge.fake_zmq_engine import END, FakeZmqEngine, zrecv
 from tests.kvbridge.helpers import CLEARED, Metrics, flat, start_bridge
 
 
-def source(eng: FakeEngine, rank: int = 0) -> ZmqSource:
+def source(eng: FakeZmqEngine, rank: int = 0) -> ZmqSource:
     return ZmqSource(rank, eng.endpoint, eng.topic.decode(), eng.replay_endpoint)
 
 
@@ -36,7 +36,7 @@ async def test_every_event_once_in_order(style: str, hash_kind: str, negative: b
     rng = random.Random(style + hash_kind)
     batches = [gen.batch(rng, 16, hash_kind=hash_kind, style=style) for _ in range(60)]
     with trio.fail_after(10):
-        async with trio.open_nursery() as n, FakeEngine(n, style=style, negative_hashes=negative) as eng:
+        async with trio.open_nursery() as n, FakeZmqEngine(n, style=style, negative_hashes=negative) as eng:
             m = Metrics()
             info = await start_bridge(n, [source(eng)], topic="out")
             (rank,) = info.ranks
@@ -60,7 +60,7 @@ async def test_injected_gap_is_replayed() -> None:
     rng = random.Random(1)
     batches = [gen.batch(rng, 4) for _ in range(30)]
     with trio.fail_after(10):
-        async with trio.open_nursery() as n, FakeEngine(n) as eng:
+        async with trio.open_nursery() as n, FakeZmqEngine(n) as eng:
             m = Metrics()
             info = await start_bridge(n, [source(eng)])
             await eng.wait_subscribed()
@@ -78,7 +78,7 @@ async def test_lost_history_clears_then_continues_live() -> None:
     rng = random.Random(2)
     batches = [gen.batch(rng, 3, clears=False) for _ in range(16)]
     with trio.fail_after(10):
-        async with trio.open_nursery() as n, FakeEngine(n, buffer_steps=3) as eng:
+        async with trio.open_nursery() as n, FakeZmqEngine(n, buffer_steps=3) as eng:
             m = Metrics()
             info = await start_bridge(n, [source(eng)])
             await eng.wait_subscribed()
@@ -100,7 +100,7 @@ async def test_gap_without_replay_endpoint_clears() -> None:
     rng = random.Random(3)
     batches = [gen.batch(rng, 2, clears=False) for _ in range(4)]
     with trio.fail_after(10):
-        async with trio.open_nursery() as n, FakeEngine(n, replay=False) as eng:
+        async with trio.open_nursery() as n, FakeZmqEngine(n, replay=False) as eng:
             m = Metrics()
             info = await start_bridge(n, [source(eng)])
             await eng.wait_subscribed()
@@ -119,7 +119,7 @@ async def test_publisher_restart_is_detected(first_new_sent: bool) -> None:
     old = [gen.batch(rng, 2, clears=False) for _ in range(5)]
     new = [gen.batch(rng, 2, clears=False) for _ in range(3)]
     with trio.fail_after(10):
-        async with trio.open_nursery() as n, FakeEngine(n) as eng:
+        async with trio.open_nursery() as n, FakeZmqEngine(n) as eng:
             m = Metrics()
             info = await start_bridge(n, [source(eng)])
             await eng.wait_subscribed()
@@ -142,7 +142,7 @@ async def test_malformed_engine_payload_resyncs() -> None:
     rng = random.Random(5)
     batches = [gen.batch(rng, 2, clears=False) for _ in range(4)]
     with trio.fail_after(10):
-        async with trio.open_nursery() as n, FakeEngine(n) as eng:
+        async with trio.open_nursery() as n, FakeZmqEngine(n) as eng:
             m = Metrics()
             info = await start_bridge(n, [source(eng)])
             await eng.wait_subscribed()
@@ -164,8 +164,8 @@ async def test_two_ranks_two_engine_flavours() -> None:
     with trio.fail_after(10):
         async with (
             trio.open_nursery() as n,
-            FakeEngine(n, rank=0, style="vllm-map") as e0,
-            FakeEngine(n, rank=1, style="sglang") as e1,
+            FakeZmqEngine(n, rank=0, style="vllm-map") as e0,
+            FakeZmqEngine(n, rank=1, style="sglang") as e1,
         ):
             info = await start_bridge(n, [source(e1, 1), source(e0, 0)])
             assert [r.rank for r in info.ranks] == [1, 0]
@@ -190,7 +190,7 @@ async def test_replay_from_our_router_including_an_expired_start() -> None:
     rng = random.Random(7)
     batches = [gen.batch(rng, 2) for _ in range(12)]
     with trio.fail_after(10):
-        async with trio.open_nursery() as n, FakeEngine(n) as eng:
+        async with trio.open_nursery() as n, FakeZmqEngine(n) as eng:
             m = Metrics()
             info = await start_bridge(n, [source(eng)], buffer_steps=5, topic="t")
             (rank,) = info.ranks
@@ -261,7 +261,7 @@ async def test_bad_config_and_bind_failure_raise_before_started() -> None:
 
 async def test_cancel_closes_every_socket() -> None:
     with trio.fail_after(5):
-        async with trio.open_nursery() as n, FakeEngine(n) as eng:
+        async with trio.open_nursery() as n, FakeZmqEngine(n) as eng:
             with trio.CancelScope() as scope:
                 async with trio.open_nursery() as inner:
                     info = await start_bridge(inner, [source(eng)])
@@ -293,7 +293,7 @@ async def test_crashed_ingest_is_resynced_and_restarted(monkeypatch: pytest.Monk
     rng = random.Random(8)
     batches = [gen.batch(rng, 2, clears=False) for _ in range(6)]
     with trio.fail_after(10):
-        async with trio.open_nursery() as n, FakeEngine(n) as eng:
+        async with trio.open_nursery() as n, FakeZmqEngine(n) as eng:
             m = Metrics()
             info = await start_bridge(n, [source(eng)], backoff_max=0.01)
             await eng.wait_subscribed()
@@ -320,7 +320,7 @@ async def test_idle_heartbeat_republishes_the_last_batch_and_reveals_a_lost_one(
     rng = random.Random(5)
     first, last = gen.batch(rng, 4), gen.batch(rng, 4)
     with trio.fail_after(10):
-        async with trio.open_nursery() as n, FakeEngine(n) as eng:
+        async with trio.open_nursery() as n, FakeZmqEngine(n) as eng:
             m = Metrics()
             info = await start_bridge(n, [source(eng)], heartbeat=0.2)
             await eng.wait_subscribed()

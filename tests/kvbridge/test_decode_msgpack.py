@@ -21,7 +21,7 @@ from sidecar.kvbridge.events import (
 )
 from tests.kvbridge import gen
 from tests.kvbridge.consumer import decode_payload
-from tests.kvbridge.fake_engine import encode_wire
+from tests.kvbridge.fake_zmq_engine import encode_wire
 
 STYLES = ["vllm-map", "vllm-array", "sglang", "sglang-array"]
 U64_MAX = (1 << 64) - 1

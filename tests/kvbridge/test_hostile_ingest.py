@@ -23,10 +23,10 @@ from sidecar.kvbridge import GrpcSource, IngestLimits, ZmqSource
 from sidecar.kvbridge.decode_msgpack import MAX_NESTING, MsgpackBatchDecoder
 from sidecar.kvbridge.errors import KvDecodeError
 from sidecar.kvbridge.events import encode_batch
+from tests.fake_engine import FakeEngine
 from tests.kvbridge import gen
 from tests.kvbridge.consumer import Consumer
-from tests.kvbridge.fake_engine import FakeEngine, zrecv
-from tests.kvbridge.fake_grpc import FakeGrpcEngine
+from tests.kvbridge.fake_zmq_engine import FakeZmqEngine, zrecv
 from tests.kvbridge.helpers import CLEARED, Metrics, flat, start_bridge
 
 TS = b"\xcb" + b"\x00" * 8  # msgpack float64 0.0
@@ -68,7 +68,7 @@ def test_nesting_within_the_bound_is_kept() -> None:
     assert batch.events[0].metadata  # type: ignore[union-attr]
 
 
-def source(eng: FakeEngine, replay_endpoint: str | None = None) -> ZmqSource:
+def source(eng: FakeZmqEngine, replay_endpoint: str | None = None) -> ZmqSource:
     return ZmqSource(0, eng.endpoint, eng.topic.decode(), replay_endpoint or eng.replay_endpoint)
 
 
@@ -78,7 +78,7 @@ async def test_a_deeply_nested_batch_resyncs_without_restarting_the_ingest() -> 
     rng = random.Random(9)
     batches = [gen.batch(rng, 2, clears=False) for _ in range(5)]
     with trio.fail_after(10):
-        async with trio.open_nursery() as n, FakeEngine(n) as eng:
+        async with trio.open_nursery() as n, FakeZmqEngine(n) as eng:
             m = Metrics()
             info = await start_bridge(n, [source(eng)])
             await eng.wait_subscribed()
@@ -137,7 +137,7 @@ async def test_an_engine_replay_without_end_is_abandoned_as_lost_history(
     rng = random.Random(10)
     batches = [gen.batch(rng, 2, clears=False) for _ in range(3)]
     with trio.fail_after(20):
-        async with trio.open_nursery() as n, FakeEngine(n, replay=False) as eng:
+        async with trio.open_nursery() as n, FakeZmqEngine(n, replay=False) as eng:
             ctx = zmq.Context()
             try:
                 payload = eng.encode(gen.batch(rng, 4, clears=False))
@@ -162,7 +162,7 @@ async def test_a_zmq_batch_over_the_size_bound_is_dropped_and_resynced() -> None
     rng = random.Random(11)
     batches = [gen.batch(rng, 2, clears=False) for _ in range(3)]
     with trio.fail_after(20):
-        async with trio.open_nursery() as n, FakeEngine(n) as eng:
+        async with trio.open_nursery() as n, FakeZmqEngine(n) as eng:
             m = Metrics()
             limits = IngestLimits(max_batch_bytes=64 * 1024)
             info = await start_bridge(n, [source(eng)], ingest_limits=limits)
@@ -188,13 +188,13 @@ async def test_a_grpc_batch_over_the_size_bound_is_skipped_and_resynced() -> Non
     batches = [gen.batch(rng, 3, proto=True) for _ in range(4)]
     huge = [dict(gen.batch(rng, 1, proto=True, clears=False)[0])]
     huge[0]["token_ids"] = list(range(50_000))
-    eng = FakeGrpcEngine()
+    eng = FakeEngine()
     with trio.fail_after(10):
         async with trio.open_nursery() as n:
             m = Metrics()
             limits = IngestLimits(max_batch_bytes=16 * 1024)
             info = await start_bridge(n, [GrpcSource(0)], client=eng, ingest_limits=limits)
-            await eng.subscribed.wait()
+            await eng.kv_subscribed.wait()
             async with Consumer(info.ranks[0].publish_endpoint, info.ranks[0].replay_endpoint) as c:
                 eng.publish(batches[0])
                 eng.publish(huge)
@@ -203,7 +203,7 @@ async def test_a_grpc_batch_over_the_size_bound_is_skipped_and_resynced() -> Non
                 expected = [*flat(batches[:1]), CLEARED, *flat(batches[1:])]
                 assert await c.collect_events(len(expected)) == expected
             assert m.delta("decode_errors") == 1 and m.delta("resyncs", reason="decode_error") == 1
-            starts = [r.start_sequence_number for r in eng.requests]
+            starts = [r.start_sequence_number for r in eng.kv_requests]
             assert starts == [0, 2], starts  # resumed after the skipped batch, once
             n.cancel_scope.cancel()
 

@@ -18,8 +18,8 @@ from sidecar.mock.faults import parse_faults
 from sidecar.mock.testing import mock_engine_in_process, run_mock_engine
 from sidecar.openengine import pb
 from sidecar.openengine.client import EngineClient, open_engine_client
+from tests.fake_engine import apply
 from tests.kvbridge.consumer import Consumer
-from tests.kvbridge.fake_grpc import apply
 from tests.kvbridge.helpers import CLEARED, Metrics, start_bridge
 
 RANKS = 2

@@ -14,7 +14,7 @@ import zmq
 from sidecar.kvbridge.metrics import RankMetrics
 from sidecar.kvbridge.replay import END_SEQ, ReplayBuffer
 from sidecar.kvbridge.replay_server import ReplayLimits, serve_replay
-from tests.kvbridge.fake_engine import zrecv
+from tests.kvbridge.fake_zmq_engine import zrecv
 from tests.kvbridge.helpers import Metrics
 from tests.polling import eventually
 

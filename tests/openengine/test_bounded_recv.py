@@ -18,7 +18,7 @@ from sidecar.openengine.client import EngineClient, _Codec, open_engine_client
 from sidecar.openengine.errors import EngineClientError, EngineMessageTooLarge
 from sidecar.openengine.message_limits import EngineLimits
 from sidecar.openengine.rawfields import length_delimited
-from tests.openengine.fake_engine import RunningServer, tokens
+from tests.openengine.fake_grpc_engine import RunningServer, tokens
 
 
 @pytest.fixture

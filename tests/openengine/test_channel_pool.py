@@ -21,7 +21,7 @@ from sidecar.openengine._grpclib_internals import channel_protocol, closed_strea
 from sidecar.openengine.channel_pool import _CoalescingTransport
 from sidecar.openengine.client import EngineClient, open_engine_client
 from sidecar.openengine.errors import EngineUnavailable
-from tests.openengine.fake_engine import FakeEngine, Gate, RunningServer, tokens
+from tests.openengine.fake_grpc_engine import FakeGrpcEngine, Gate, RunningServer, tokens
 from tests.polling import eventually
 
 
@@ -200,7 +200,7 @@ async def test_cancel_resets_a_stream_on_an_extra_channel(server: RunningServer)
 
 async def test_pool_reconnects_after_engine_restart(aio_loop: Any, tmp_path: Any) -> None:
     path = str(tmp_path / "e.sock")
-    srv = RunningServer(FakeEngine())
+    srv = RunningServer(FakeGrpcEngine())
     await srv.start(path=path)
     stalled(srv)
     with trio.fail_after(10):
@@ -222,7 +222,7 @@ async def test_pool_reconnects_after_engine_restart(aio_loop: Any, tmp_path: Any
                 await srv.stop()
             assert len(failures) == 5
             assert client._generate.loads() == [(0, 2)]
-            srv2 = RunningServer(FakeEngine())
+            srv2 = RunningServer(FakeGrpcEngine())
             await srv2.start(path=path)
             stalled(srv2)
             try:

@@ -18,7 +18,7 @@ from sidecar.openengine.errors import (
     EngineTerminalError,
     EngineUnavailable,
 )
-from tests.openengine.fake_engine import FakeEngine, Gate, RunningServer, Status, status, tokens
+from tests.openengine.fake_grpc_engine import FakeGrpcEngine, Gate, RunningServer, Status, status, tokens
 
 
 @pytest.fixture
@@ -245,7 +245,7 @@ async def test_unreachable_engine(aio_loop: Any) -> None:
 
 
 async def test_unix_socket(aio_loop: Any, tmp_path: Any) -> None:
-    srv = RunningServer(FakeEngine())
+    srv = RunningServer(FakeGrpcEngine())
     address = await srv.start(path=str(tmp_path / "engine.sock"))
     srv.engine.streams["Generate"] = lambda r, md: tokens(r.request_id, 3)
     try:
@@ -326,7 +326,7 @@ async def test_control_not_blocked_by_open_streams(server: RunningServer, client
 
 async def test_reconnect_after_engine_restart(aio_loop: Any, tmp_path: Any) -> None:
     path = str(tmp_path / "e.sock")
-    srv = RunningServer(FakeEngine())
+    srv = RunningServer(FakeGrpcEngine())
     await srv.start(path=path)
     with trio.fail_after(10):
         async with open_engine_client(f"unix://{path}") as c:
@@ -334,7 +334,7 @@ async def test_reconnect_after_engine_restart(aio_loop: Any, tmp_path: Any) -> N
             await srv.stop()
             with pytest.raises(EngineUnavailable):
                 await c.health()
-            srv2 = RunningServer(FakeEngine())
+            srv2 = RunningServer(FakeGrpcEngine())
             await srv2.start(path=path)
             try:
                 assert (await c.health()).state == pb.HealthState.READY

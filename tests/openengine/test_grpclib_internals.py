@@ -13,7 +13,7 @@ from sidecar.openengine import _grpclib_internals as internals
 from sidecar.openengine.channel_pool import CLOSED_STREAMS_KEPT
 from sidecar.openengine.client import open_engine_client
 from sidecar.openengine.server import open_server
-from tests.openengine.fake_engine import FakeEngine, RunningServer
+from tests.openengine.fake_grpc_engine import FakeGrpcEngine, RunningServer
 from tests.polling import eventually
 
 
@@ -53,7 +53,7 @@ async def test_servers_can_advertise_another_stream_limit(
 ) -> None:
     monkeypatch.setattr(grpclib.protocol, "H2Connection", grpclib.protocol.H2Connection)  # undone after
     internals.advertise_max_concurrent_streams(1000)
-    server = RunningServer(FakeEngine())
+    server = RunningServer(FakeGrpcEngine())
     await server.start()
     try:
         with trio.fail_after(10):

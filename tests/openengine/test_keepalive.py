@@ -15,7 +15,7 @@ from sidecar.openengine import pb
 from sidecar.openengine.channel_pool import PINGS_PER_SILENCE, Keepalive
 from sidecar.openengine.client import open_engine_client
 from sidecar.openengine.errors import EngineUnavailable
-from tests.openengine.fake_engine import Gate, RunningServer, tokens
+from tests.openengine.fake_grpc_engine import Gate, RunningServer, tokens
 
 INTERVAL, TIMEOUT = 0.2, 0.3
 

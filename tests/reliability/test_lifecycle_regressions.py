@@ -8,7 +8,7 @@ import trio
 from sidecar.core.lifecycle import ClientGone, LifecycleConfig, StreamSupervisor
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
-from tests.openengine.fake_engine import Gate, RunningServer, tokens
+from tests.openengine.fake_grpc_engine import Gate, RunningServer, tokens
 
 
 async def test_client_gone_raised_inside_a_cancelled_connection_is_contained(server: RunningServer) -> None:

@@ -20,7 +20,7 @@ import trio
 
 from sidecar.client.sidecar_client import open_sidecar
 from tests.dynamo.e2e import dynamo_env, dynamo_sidecar, encode, frontend, require_dynamo
-from tests.dynamo.test_e2e_kv_routing import scores_of, words
+from tests.dynamo.routing import scores_of, words
 from tests.e2e.harness import eventually
 from tests.vllm.harness import BLOCK, MODEL, VllmProc, attributes, wait_request_gone
 

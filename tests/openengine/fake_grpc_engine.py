@@ -1,5 +1,9 @@
 """A scriptable grpclib OpenEngine server for EngineClient tests (runs on the test's trio-asyncio loop).
 
+A separate fake from the suite's in-memory ``tests.fake_engine.FakeEngine`` because what it
+serves is the layer under test: HTTP/2 framing, deadlines, resets, keepalive PINGs and the
+channel pool of the real engine client need a real gRPC server on a real socket.
+
 Each Generate call runs ``script(request, metadata)``: a list of responses (or callables that
 raise / wait) the handler sends in order. The server records what it saw: requests, metadata,
 deadlines, and when a stream was cancelled by the client.
@@ -40,7 +44,7 @@ class Gate:
         self.event = asyncio.Event()
 
 
-class FakeEngine:
+class FakeGrpcEngine:
     def __init__(self) -> None:
         self.seen: list[Seen] = []
         self.unary: dict[str, Callable[[Any], Any]] = {
@@ -132,9 +136,9 @@ def status(code: Status, message: str = "") -> GRPCError:
 
 
 class RunningServer:
-    """A started grpclib server around a FakeEngine (TCP on 127.0.0.1:0 or a Unix socket)."""
+    """A started grpclib server around a FakeGrpcEngine (TCP on 127.0.0.1:0 or a Unix socket)."""
 
-    def __init__(self, engine: FakeEngine) -> None:
+    def __init__(self, engine: FakeGrpcEngine) -> None:
         self.engine = engine
         self.server = grpclib.server.Server([engine], codec=_Codec())
         self.address = ""
@@ -195,4 +199,4 @@ def tokens(request_id: str, n: int, *, index: int = 0) -> list[Any]:
     return out
 
 
-__all__ = ["FakeEngine", "Gate", "RunningServer", "Status", "grpclib", "status", "tokens"]
+__all__ = ["FakeGrpcEngine", "Gate", "RunningServer", "Status", "grpclib", "status", "tokens"]

@@ -1,5 +1,9 @@
 """A small spec-conformant engine KV publisher (docs/design/engine-facts.md), independent of the bridge code.
 
+A separate fake from the suite's in-memory ``tests.fake_engine.FakeEngine`` (which serves
+``SubscribeKvEvents``) because the engines' ZMQ publishers are another wire: the bridge's
+ZMQ source is tested on real sockets and on each engine's own msgpack encoding.
+
 Real ZMQ sockets on 127.0.0.1: an XPUB (a PUB to subscribers; XPUB only so a test can wait
 for the bridge's subscription instead of sleeping) and a replay ROUTER. Events are given
 in the bridge's *expected output* form (plain dicts, ``"type"`` tagged) and encoded here per
@@ -104,8 +108,8 @@ def encode_wire(
     return msgspec.msgpack.encode([ts, wire, rank])
 
 
-class FakeEngine:
-    """One DP rank's publisher. Use ``async with FakeEngine(...) as eng`` inside a nursery-owning test."""
+class FakeZmqEngine:
+    """One DP rank's publisher. Use ``async with FakeZmqEngine(...) as eng`` inside a nursery-owning test."""
 
     def __init__(
         self,
@@ -144,7 +148,7 @@ class FakeEngine:
     def replay_endpoint(self) -> str | None:
         return f"tcp://127.0.0.1:{self.replay_port}" if self.replay else None
 
-    async def __aenter__(self) -> FakeEngine:
+    async def __aenter__(self) -> FakeZmqEngine:
         await self._open()
         return self
 
