@@ -1,23 +1,23 @@
-"""A small purpose-built faulty engine (serving kit: ``sidecar.openengine.server``).
+"""A small purpose-built faulty engine: the suite's scriptable gRPC fake
+(``tests.openengine.fake_grpc_engine``) dressed as an aggregated engine.
 
-An aggregated engine with just enough discovery for the suite, whose Generate follows a
-script: ``script(request)`` returns the events to send, in order, and optionally a gRPC
-status name to end the call with after them. It runs in the test's trio-asyncio loop.
+Just enough discovery for the conformance suite; Generate follows a script:
+``script(request)`` returns the events to send, in order, and optionally a gRPC status name to
+end the call with after them; what an engine may leave out answers ``UNIMPLEMENTED``. It runs
+in the test's trio-asyncio loop.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import trio
-import trio_asyncio
 
 from sidecar.openengine import pb
 from sidecar.openengine.revision import SCHEMA_RELEASE
-from sidecar.openengine.server import RpcStatusError, open_server
+from tests.openengine.fake_grpc_engine import FakeGrpcEngine, RunningServer, Status, status
 
 MODEL = "fake-model"
 Script = Callable[[pb.GenerateRequest], tuple[list[pb.GenerateResponse], str | None]]
@@ -44,9 +44,26 @@ def error(request: pb.GenerateRequest, completion: int = 1) -> pb.GenerateRespon
     )
 
 
-class _Control(pb.ControlBase):
-    async def get_server_info(self, message: pb.GetServerInfoRequest) -> pb.ServerInfo:
-        return pb.ServerInfo(
+def _unimplemented(request: Any) -> Any:
+    raise status(Status.UNIMPLEMENTED, "not served by the faulty engine")
+
+
+def _no_model(request: pb.GetModelInfoRequest) -> pb.ModelInfo:
+    if request.model not in ("", MODEL):
+        raise status(Status.NOT_FOUND, f"no model {request.model!r}")
+    return pb.ModelInfo(model_id=MODEL, served_model_name=MODEL)
+
+
+def _abort(request: pb.AbortRequest) -> pb.AbortResponse:
+    raise status(Status.NOT_FOUND, "nothing runs here for long")
+
+
+@asynccontextmanager
+async def faulty_engine(script: Script) -> AsyncIterator[str]:
+    """Serve the faulty engine on 127.0.0.1 for the block; yields its address."""
+    engine = FakeGrpcEngine()
+    engine.unary.update(
+        GetServerInfo=lambda r: pb.ServerInfo(
             engine_name="faulty",
             engine_version="0",
             engine_role=pb.EngineRole.AGGREGATED,
@@ -55,56 +72,27 @@ class _Control(pb.ControlBase):
             schema_revision=3,
             minimum_client_revision=1,
             schema_release=SCHEMA_RELEASE,
-        )
+        ),
+        GetModelInfo=_no_model,
+        GetLoad=lambda r: pb.LoadInfo(instance_id="faulty-1", running_requests=0, queued_requests=0),
+        Abort=_abort,
+        LoadLora=_unimplemented,
+        UnloadLora=_unimplemented,
+        ListLoras=_unimplemented,
+        GetKvEventSources=_unimplemented,
+    )
 
-    async def get_model_info(self, message: pb.GetModelInfoRequest) -> pb.ModelInfo:
-        if message.model not in ("", MODEL):
-            raise RpcStatusError("NOT_FOUND", f"no model {message.model!r}")
-        return pb.ModelInfo(model_id=MODEL, served_model_name=MODEL)
+    def generate(request: pb.GenerateRequest, metadata: dict[str, str]) -> list[Any]:
+        events, end = script(request)
+        return [*events, *([status(Status[end], "scripted status")] if end is not None else [])]
 
-    async def get_load(self, message: pb.GetLoadRequest) -> pb.LoadInfo:
-        return pb.LoadInfo(instance_id="faulty-1", running_requests=0, queued_requests=0)
-
-    async def health(self, message: pb.HealthRequest) -> pb.HealthResponse:
-        return pb.HealthResponse(state=pb.HealthState.READY)
-
-    async def abort(self, message: pb.AbortRequest) -> pb.AbortResponse:
-        raise RpcStatusError("NOT_FOUND", "nothing runs here for long")
-
-
-class _Inference(pb.InferenceBase):
-    def __init__(self, script: Script) -> None:
-        self.script = script
-
-    async def generate(  # type: ignore[override]
-        self, message: pb.GenerateRequest, send: Callable[[Any], Awaitable[None]]
-    ) -> None:
-        events, status = self.script(message)
-        for event in events:
-            await send(event)
-        if status is not None:
-            raise RpcStatusError(status, "scripted status")
-
-
-@asynccontextmanager
-async def faulty_engine(script: Script) -> AsyncIterator[str]:
-    """Serve the faulty engine on 127.0.0.1 for the block; yields its address."""
-    started = trio.Event()
-    holder: dict[str, Any] = {}
-
-    async def serve() -> None:
-        stop = asyncio.Event()
-        holder["stop"] = stop
-        async with open_server([_Control(), _Inference(script)], "127.0.0.1:0") as running:
-            holder["address"] = str(running.address)
-            started.set()
-            await stop.wait()
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(trio_asyncio.aio_as_trio(serve))
-        with trio.fail_after(10):
-            await started.wait()
-        try:
-            yield holder["address"]
-        finally:
-            holder["stop"].set()
+    engine.streams["Generate"] = generate
+    engine.streams["Drain"] = engine.streams["SubscribeKvEvents"] = lambda r, md: [_unimplemented(r)]
+    server = RunningServer(engine)
+    with trio.fail_after(10):
+        address = await server.start()
+    try:
+        yield address
+    finally:
+        with trio.move_on_after(10):
+            await server.stop()
