@@ -27,18 +27,18 @@ def lean_load_attributes() -> None:
     parses on its event loop every second: 11-190 ms stalls that no real engine's small
     attributes cause. Measured separately with ``--engine-load-attributes full``.
     """
-    from sidecar.mock.services import ControlService
+    from sidecar.mock.services import SimulatedControl
     from sidecar.openengine import pb
     from sidecar.openengine.server import request_metadata
 
-    full_get_load = ControlService.get_load
+    full_get_load = SimulatedControl.get_load
 
-    async def get_load(self: ControlService, message: pb.GetLoadRequest) -> pb.LoadInfo:
+    async def get_load(self: SimulatedControl, message: pb.GetLoadRequest) -> pb.LoadInfo:
         if any(key == "mock-report" for key, _ in request_metadata()):
             return await full_get_load(self, message)
         return self.engine.load(message.include_per_rank, lean=True)
 
-    ControlService.get_load = get_load  # type: ignore[method-assign]
+    SimulatedControl.get_load = get_load  # type: ignore[method-assign]
 
 
 def main(argv: list[str]) -> None:

@@ -18,7 +18,7 @@ from sidecar.mock.kvevents import ZmqKvEvents
 from sidecar.mock.kvevents_grpc import GrpcKvEvents
 from sidecar.mock.kvevents_model import KvGroundTruth
 from sidecar.mock.kvevents_wire import KvFaults
-from sidecar.mock.services import ControlService, InferenceService
+from sidecar.mock.services import SimulatedControl, SimulatedInference
 from sidecar.mock.transfer import KvTransferServer
 from sidecar.openengine.server import open_server
 
@@ -101,7 +101,7 @@ async def open_engine(
             for cache in engine.caches:
                 sink.attach_cache(cache)
         stack.push_async_callback(engine.shutdown)
-        services = [ControlService(engine), InferenceService(engine)]
+        services = [SimulatedControl(engine), SimulatedInference(engine)]
         running = await stack.enter_async_context(open_server(services, config.listen))
         # Runs first on exit: handlers cancelled by the server's shutdown are not client cancels.
         stack.callback(setattr, engine, "closing", True)

@@ -39,7 +39,7 @@ from typing import Any
 MAX_TRACKED_IDS = 10_000
 
 
-class Counters:
+class GroundTruthCounters:
     """Mutable counters; ``snapshot()`` renders them for ``LoadInfo.attributes``."""
 
     def __init__(self, dp_size: int) -> None:

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 
 from sidecar.mock import schemas
 from sidecar.mock.engine import MockEngine
-from sidecar.mock.validation import Rejection
+from sidecar.mock.validation import RequestRefused
 from sidecar.openengine import pb
 
 _MIN_INTERVAL = 0.05
@@ -41,11 +41,11 @@ def _state(engine: MockEngine, state: pb.DrainState, message: str = "") -> pb.Dr
 
 
 async def drain(engine: MockEngine, request: pb.DrainRequest) -> AsyncIterator[pb.DrainResponse]:
-    """The Drain stream (an async generator; refusals raise :class:`Rejection` before the first event)."""
+    """The Drain stream (an async generator; refusals raise :class:`RequestRefused` before the first event)."""
     if engine.config.faults.no_drain:
-        raise Rejection("UNIMPLEMENTED", "Drain is not implemented by this engine (fault no-drain)")
+        raise RequestRefused("UNIMPLEMENTED", "Drain is not implemented by this engine (fault no-drain)")
     if not schemas.has(engine.config, "drain"):
-        raise Rejection("UNIMPLEMENTED", f"Drain is not part of schema {engine.config.schema}")
+        raise RequestRefused("UNIMPLEMENTED", f"Drain is not part of schema {engine.config.schema}")
     loop = asyncio.get_running_loop()
     faults = engine.config.faults
     if request.stop_accepting_new_requests and not faults.has("drain-keeps-accepting"):

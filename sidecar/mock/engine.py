@@ -5,7 +5,7 @@ an accepted request is driven by :mod:`sidecar.mock.runner`; Drain by
 :mod:`sidecar.mock.drain`; the gRPC surface by :mod:`sidecar.mock.services`.
 
 Request lifecycle: ``accept`` (synchronous: validation, rank choice, admission — every
-refusal is a :class:`~sidecar.mock.validation.Rejection`, i.e. a non-OK status before
+refusal is a :class:`~sidecar.mock.validation.RequestRefused`, i.e. a non-OK status before
 acceptance) → queued or running → ended through :meth:`MockEngine.finish` with one
 outcome, which frees the running slot, promotes queued requests and releases KV blocks.
 A request whose client leaves before its terminal is *leaked* (``--orphans hold``): it
@@ -29,7 +29,7 @@ import betterproto2
 from sidecar.mock import flavors, schemas
 from sidecar.mock import generator as gen
 from sidecar.mock.config import EngineConfig
-from sidecar.mock.counters import Counters
+from sidecar.mock.counters import GroundTruthCounters
 from sidecar.mock.hangs import Hangs
 from sidecar.mock.kvcache import Allocation, KvCache, KvCacheFull
 from sidecar.mock.kvevents_model import KvEventSink, KvGroundTruth
@@ -42,7 +42,7 @@ from sidecar.mock.transfer import (
     prefill_bootstrap_room,
     resolve_session,
 )
-from sidecar.mock.validation import EngineView, Rejection, RequestPlan, validate
+from sidecar.mock.validation import EngineView, RequestPlan, RequestRefused, validate
 from sidecar.openengine import pb
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ class MockEngine:
         self.config = config
         self.flavor = flavors.flavor_spec(config)
         self.model = flavors.model_name(config)
-        self.counters = Counters(config.dp_size)
+        self.counters = GroundTruthCounters(config.dp_size)
         self.loras = LoraRegistry(
             enabled=config.enable_lora,
             max_loras=config.max_loras,
@@ -234,7 +234,7 @@ class MockEngine:
             and model not in self.config.aliases
             and not self.config.faults.has("any-model")
         ):
-            raise Rejection("NOT_FOUND", f"model {model!r} is not served here (serving {self.model!r})")
+            raise RequestRefused("NOT_FOUND", f"model {model!r} is not served here (serving {self.model!r})")
         return flavors.model_info(self.config)
 
     def view(self) -> EngineView:
@@ -251,23 +251,23 @@ class MockEngine:
     def accept(
         self, request: pb.GenerateRequest, metadata: Any, kv_session_bytes: bytes | None = None
     ) -> Request:
-        """Validate and admit ``request``; raises :class:`Rejection` (counted) on refusal.
+        """Validate and admit ``request``; raises :class:`RequestRefused` (counted) on refusal.
         ``kv_session_bytes``: its ``kv.session`` as received (recorded for tests)."""
         try:
             return self._accept(request, metadata, kv_session_bytes)
-        except Rejection as rej:
+        except RequestRefused as rej:
             self.counters.rejected(rej.status)
             raise
 
     def _accept(self, request: pb.GenerateRequest, metadata: Any, kv_session_bytes: bytes | None) -> Request:
         if self.starting:
-            raise Rejection("UNAVAILABLE", "engine is starting")
+            raise RequestRefused("UNAVAILABLE", "engine is starting")
         if self.draining:
-            raise Rejection("UNAVAILABLE", "engine is draining; not accepting new requests")
+            raise RequestRefused("UNAVAILABLE", "engine is draining; not accepting new requests")
         plan = validate(schemas.as_seen(self.config, request), metadata, self.view())
         rid = request.request_id or f"mock-{next(self._ids)}"
         if rid in self.requests:
-            raise Rejection("ALREADY_EXISTS", f"request {rid!r} is already in flight")
+            raise RequestRefused("ALREADY_EXISTS", f"request {rid!r} is already in flight")
         locator = None
         room = None
         session = plan.kv_session
@@ -277,7 +277,7 @@ class MockEngine:
             elif self.config.role == "prefill" and session is not None and self.transfer is not None:
                 room = prefill_bootstrap_room(session, self.transfer.endpoint)
         except InvalidKvSession as err:
-            raise Rejection("INVALID_ARGUMENT", str(err)) from None
+            raise RequestRefused("INVALID_ARGUMENT", str(err)) from None
         target = plan.metadata.target_rank
         if target is None and session is not None and session.dp_rank < self.config.dp_size:
             target = session.dp_rank if self.config.role != "decode" else None
@@ -288,13 +288,13 @@ class MockEngine:
         try:
             req.running = sched.admit(req, priority)
         except Overloaded as err:
-            raise Rejection("RESOURCE_EXHAUSTED", f"overloaded: {err}") from None
+            raise RequestRefused("RESOURCE_EXHAUSTED", f"overloaded: {err}") from None
         if req.running:
             try:
                 self.allocate(req)
             except KvCacheFull as err:
                 sched.release(req)
-                raise Rejection("RESOURCE_EXHAUSTED", f"overloaded: {err}") from None
+                raise RequestRefused("RESOURCE_EXHAUSTED", f"overloaded: {err}") from None
         self.requests[rid] = req
         if self.counters.requests_accepted == 0 and self.config.faults.slow_health:
             self.slow_health_left = self.config.faults.slow_health
@@ -430,17 +430,17 @@ class MockEngine:
         return dropped
 
     def abort(self, message: pb.AbortRequest) -> pb.AbortResponse:
-        """Abort by request id, KV session or all; raises :class:`Rejection` for failures."""
+        """Abort by request id, KV session or all; raises :class:`RequestRefused` for failures."""
         name, value = betterproto2.which_one_of(message, "target")
         self.counters.abort_received(value if name == "request_id" else None)
         outcomes = self.counters.abort_outcomes
         if self._drops_left is not None and self._drops_left != 0:
             self._drops_left -= 1 if self._drops_left > 0 else 0
             outcomes["DROPPED"] += 1
-            raise Rejection("UNAVAILABLE", "abort dropped (fault drop-aborts)")
+            raise RequestRefused("UNAVAILABLE", "abort dropped (fault drop-aborts)")
         try:
             status, text = self._abort(name or "", value)
-        except Rejection as rej:
+        except RequestRefused as rej:
             outcomes["NOT_FOUND" if rej.status == "NOT_FOUND" else "INVALID"] += 1
             raise
         outcomes[pb.AbortStatus(status).name] += 1
@@ -451,9 +451,11 @@ class MockEngine:
         ignore = faults.ignore_abort
         if name == "request_id":
             if not value:
-                raise Rejection("INVALID_ARGUMENT", "abort: request_id is empty")
+                raise RequestRefused("INVALID_ARGUMENT", "abort: request_id is empty")
             if faults.has("abort-twice-error") and self.counters.aborts_received_by_id[value] > 1:
-                raise Rejection("FAILED_PRECONDITION", f"abort: request {value} was already aborted (fault)")
+                raise RequestRefused(
+                    "FAILED_PRECONDITION", f"abort: request {value} was already aborted (fault)"
+                )
             req = self.requests.get(value)
             if req is not None:
                 self.note_cancel(req.id)
@@ -472,7 +474,7 @@ class MockEngine:
                 return pb.AbortStatus.ALREADY_FINISHED, f"request {value} already finished"
             if faults.has("abort-unknown-aborted"):
                 return pb.AbortStatus.ABORTED, f"request {value} aborted (fault: it never existed)"
-            raise Rejection("NOT_FOUND", f"abort: no request {value!r}")
+            raise RequestRefused("NOT_FOUND", f"abort: no request {value!r}")
         if name == "kv_session":
             return self._abort_session(schemas.session_as_seen(self.config, value), ignore)
         if name == "all_requests":
@@ -486,8 +488,8 @@ class MockEngine:
                         sessions += self.transfer.drop(sid)
             return pb.AbortStatus.ABORTED, f"aborted {len(reqs)} request(s) and {sessions} KV session(s)"
         if faults.has("abort-no-target-found"):
-            raise Rejection("NOT_FOUND", "abort: nothing to abort (fault: no target)")
-        raise Rejection(
+            raise RequestRefused("NOT_FOUND", "abort: nothing to abort (fault: no target)")
+        raise RequestRefused(
             "INVALID_ARGUMENT", "abort: exactly one target (request_id, kv_session, all_requests) is required"
         )
 
@@ -499,7 +501,9 @@ class MockEngine:
             else None
         )
         if not sid and room is None:
-            raise Rejection("INVALID_ARGUMENT", "abort: kv_session needs a session_id or a bootstrap room")
+            raise RequestRefused(
+                "INVALID_ARGUMENT", "abort: kv_session needs a session_id or a bootstrap room"
+            )
         hits = [
             r
             for r in self.requests.values()
@@ -529,7 +533,7 @@ class MockEngine:
             return pb.AbortStatus.ABORTED, f"KV session {sid or room} aborted"
         if sid and sid in self.finished.values():
             return pb.AbortStatus.ALREADY_FINISHED, f"KV session {sid} already finished"
-        raise Rejection("NOT_FOUND", f"abort: no KV session {sid or room!r}")
+        raise RequestRefused("NOT_FOUND", f"abort: no KV session {sid or room!r}")
 
     # -- health and load ---------------------------------------------------------------
 

@@ -1,8 +1,8 @@
 """Paged KV cache of a simulated engine: chained block hashes, prefix reuse, pinning, LRU eviction.
 
 I/O-free. One :class:`KvCache` per data-parallel rank. Every change of the cache's
-contents is reported, in order, as KV events (:class:`BlockStored`,
-:class:`BlockRemoved`, :class:`AllBlocksCleared`) to a :class:`KvEventSink` (the
+contents is reported, in order, as KV events (:class:`StoredRecord`,
+:class:`RemovedRecord`, :class:`ClearedRecord`) to a :class:`KvEventSink` (the
 ZMQ publishers of ``sidecar.mock.kvevents`` or the gRPC source of
 ``sidecar.mock.kvevents_grpc``) and to an optional :class:`KvGroundTruth` log that
 tests compare the sidecar's KV bridge against.
@@ -57,28 +57,28 @@ from dataclasses import dataclass, field
 
 from sidecar.mock.kvevents_model import (
     MEDIUM_GPU,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
+    ClearedRecord,
     KvEventRecord,
     KvEventSink,
     KvGroundTruth,
+    RemovedRecord,
+    StoredRecord,
     event_from_json,
     event_to_json,
     load_ground_truth,
 )
 
 __all__ = [
-    "AllBlocksCleared",
     "Allocation",
-    "BlockRemoved",
-    "BlockStored",
+    "ClearedRecord",
     "KvCache",
     "KvCacheFull",
     "KvEventRecord",
     "KvEventSink",
     "KvGroundTruth",
     "MediaSpan",
+    "RemovedRecord",
+    "StoredRecord",
     "block_extra_keys",
     "block_hash",
     "compute_block_hashes",
@@ -380,8 +380,8 @@ class KvCache:
         events: list[KvEventRecord] = []
         removed = self._evict(needed - self.free_blocks)
         if removed:
-            events.append(BlockRemoved(tuple(removed), self.medium))
-        # one BlockStored per contiguous run of new blocks
+            events.append(RemovedRecord(tuple(removed), self.medium))
+        # one StoredRecord per contiguous run of new blocks
         run: list[int] = []
         for i in new_idx:
             if run and run[-1] != i - 1:
@@ -422,7 +422,7 @@ class KvCache:
                 if not allocation._tail:
                     removed = self._evict(1 - self.free_blocks)
                     if removed:
-                        events.append(BlockRemoved(tuple(removed), self.medium))
+                        events.append(RemovedRecord(tuple(removed), self.medium))
                     if self.free_blocks < 1:
                         raise KvCacheFull(1, self.free_blocks)
                     allocation._private += 1
@@ -458,7 +458,7 @@ class KvCache:
         )
         self._pinned_blocks += 1
         return [
-            BlockStored(
+            StoredRecord(
                 block_hashes=(h,),
                 parent_block_hash=parent,
                 token_ids=tokens,
@@ -511,9 +511,9 @@ class KvCache:
         self._blocks.clear()
         self._evictable.clear()
         self._pinned_blocks = 0
-        self._emit([AllBlocksCleared()])
+        self._emit([ClearedRecord()])
 
-    def snapshot_events(self) -> list[BlockStored]:
+    def snapshot_events(self) -> list[StoredRecord]:
         """The current contents as ``BlockStored`` events, one per block, parents before children."""
         depth: dict[int, int] = {}
         for h in self._blocks:
@@ -526,11 +526,11 @@ class KvCache:
             for node in reversed(path):
                 base += 1
                 depth[node] = base
-        out: list[BlockStored] = []
+        out: list[StoredRecord] = []
         for h in sorted(self._blocks, key=depth.__getitem__):
             b = self._blocks[h]
             out.append(
-                BlockStored(
+                StoredRecord(
                     block_hashes=(h,),
                     parent_block_hash=b.parent,
                     token_ids=b.token_ids,
@@ -567,11 +567,11 @@ class KvCache:
         run: list[int],
         token_ids: Sequence[int],
         extras: list[tuple[str, ...]],
-    ) -> BlockStored:
+    ) -> StoredRecord:
         bs = self.block_size
         first, last = run[0], run[-1]
         run_extras = [extras[i] for i in run]
-        return BlockStored(
+        return StoredRecord(
             block_hashes=tuple(hashes[i] for i in run),
             parent_block_hash=hashes[first - 1] if first else None,
             token_ids=tuple(token_ids[first * bs : (last + 1) * bs]),

@@ -44,9 +44,9 @@ import zmq.asyncio
 from sidecar.mock.kvevents_model import KvEventRecord
 from sidecar.mock.kvevents_wire import (
     END_SEQ,
+    BatchHistory,
     KvFaults,
     KvSequencer,
-    ReplayBuffer,
     Style,
     encode_payload,
     seq_bytes,
@@ -135,7 +135,7 @@ class ZmqKvPublisher:
         self.buffer_steps = buffer_steps
         self.hwm = hwm
         self.faults = faults or KvFaults()
-        self.sequencer: KvSequencer[bytes] = KvSequencer(ReplayBuffer(buffer_steps), self.faults)
+        self.sequencer: KvSequencer[bytes] = KvSequencer(BatchHistory(buffer_steps), self.faults)
         self.subscriptions_seen = 0
         self.dropped_live = 0
         self._sub_event = asyncio.Event()

@@ -55,9 +55,9 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from types import TracebackType
 
-from sidecar.mock.kvcache import AllBlocksCleared, KvCache, KvEventRecord
+from sidecar.mock.kvcache import ClearedRecord, KvCache, KvEventRecord
 from sidecar.mock.kvevents import UnknownDpRank
-from sidecar.mock.kvevents_wire import KvFaults, KvSequencer, ReplayBuffer, batch_to_pb, large_batch_filler
+from sidecar.mock.kvevents_wire import BatchHistory, KvFaults, KvSequencer, batch_to_pb, large_batch_filler
 from sidecar.openengine import pb
 from sidecar.openengine.rawfields import length_delimited
 from sidecar.openengine.server import PreEncoded
@@ -159,7 +159,7 @@ class KvSubscription:
 
 class _RankState:
     def __init__(self, buffer_steps: int, faults: KvFaults) -> None:
-        self.sequencer: KvSequencer[pb.KvEventBatch] = KvSequencer(ReplayBuffer(buffer_steps), faults)
+        self.sequencer: KvSequencer[pb.KvEventBatch] = KvSequencer(BatchHistory(buffer_steps), faults)
         self.cache: KvCache | None = None
 
 
@@ -266,7 +266,7 @@ class GrpcKvEvents:
         return sub
 
     def _snapshot(self, rank: int, state: _RankState) -> pb.KvEventBatch:
-        events: list[KvEventRecord] = [AllBlocksCleared()]
+        events: list[KvEventRecord] = [ClearedRecord()]
         if state.cache is not None:
             events.extend(state.cache.snapshot_events())
         return batch_to_pb(state.sequencer.next_seq, time.time_ns(), rank + self.faults.rank_offset, events)

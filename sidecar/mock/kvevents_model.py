@@ -1,7 +1,8 @@
 """KV event records of the simulated engines and their ground-truth log (I/O-free but for the log file).
 
-``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` are what a
-``sidecar.mock.kvcache.KvCache`` reports; the transports encode them
+:class:`StoredRecord` / :class:`RemovedRecord` / :class:`ClearedRecord` (an engine's
+``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``; named apart from the protobuf
+messages and the KV bridge's event types) are what a ``sidecar.mock.kvcache.KvCache`` reports; the transports encode them
 (``sidecar.mock.kvevents_wire``). :class:`KvGroundTruth` records every batch, in
 order, per rank, before any transport fault: tests judge the KV bridge against it.
 """
@@ -18,12 +19,12 @@ from typing import Any, Protocol
 
 __all__ = [
     "MEDIUM_GPU",
-    "AllBlocksCleared",
-    "BlockRemoved",
-    "BlockStored",
+    "ClearedRecord",
     "KvEventRecord",
     "KvEventSink",
     "KvGroundTruth",
+    "RemovedRecord",
+    "StoredRecord",
     "event_from_json",
     "event_to_json",
     "load_ground_truth",
@@ -36,7 +37,7 @@ MEDIUM_GPU = "GPU"
 
 
 @dataclass(frozen=True, slots=True)
-class BlockStored:
+class StoredRecord:
     """New cached blocks, contiguous in one chain (vLLM's ``BlockStored``).
 
     ``token_ids`` has ``block_size * len(block_hashes)`` entries; ``extra_keys`` is
@@ -57,7 +58,7 @@ class BlockStored:
 
 
 @dataclass(frozen=True, slots=True)
-class BlockRemoved:
+class RemovedRecord:
     """Blocks evicted from the cache."""
 
     block_hashes: tuple[int, ...]
@@ -65,11 +66,11 @@ class BlockRemoved:
 
 
 @dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
+class ClearedRecord:
     """Every cached block is gone."""
 
 
-KvEventRecord = BlockStored | BlockRemoved | AllBlocksCleared
+KvEventRecord = StoredRecord | RemovedRecord | ClearedRecord
 
 
 class KvEventSink(Protocol):
@@ -80,7 +81,7 @@ class KvEventSink(Protocol):
 
 def event_to_json(event: KvEventRecord) -> dict[str, Any]:
     """vLLM-style map (``"type"`` tag, hashes as unsigned ints, defaulted fields omitted)."""
-    if isinstance(event, BlockStored):
+    if isinstance(event, StoredRecord):
         out: dict[str, Any] = {
             "type": "BlockStored",
             "block_hashes": list(event.block_hashes),
@@ -98,7 +99,7 @@ def event_to_json(event: KvEventRecord) -> dict[str, Any]:
         if event.session_id is not None:
             out["session_id"] = event.session_id
         return out
-    if isinstance(event, BlockRemoved):
+    if isinstance(event, RemovedRecord):
         return {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": event.medium}
     return {"type": "AllBlocksCleared"}
 
@@ -108,7 +109,7 @@ def event_from_json(data: dict[str, Any]) -> KvEventRecord:
     kind = data["type"]
     if kind == "BlockStored":
         extra = data.get("extra_keys")
-        return BlockStored(
+        return StoredRecord(
             block_hashes=tuple(data["block_hashes"]),
             parent_block_hash=data.get("parent_block_hash"),
             token_ids=tuple(data["token_ids"]),
@@ -121,9 +122,9 @@ def event_from_json(data: dict[str, Any]) -> KvEventRecord:
             session_id=data.get("session_id"),
         )
     if kind == "BlockRemoved":
-        return BlockRemoved(tuple(data["block_hashes"]), data.get("medium") or MEDIUM_GPU)
+        return RemovedRecord(tuple(data["block_hashes"]), data.get("medium") or MEDIUM_GPU)
     if kind == "AllBlocksCleared":
-        return AllBlocksCleared()
+        return ClearedRecord()
     raise ValueError(f"unknown KV event type {kind!r}")
 
 

@@ -39,15 +39,15 @@ from typing import Any, Generic, Literal, TypeVar
 
 import msgspec
 
-from sidecar.mock.kvevents_model import BlockRemoved, BlockStored, KvEventRecord
+from sidecar.mock.kvevents_model import KvEventRecord, RemovedRecord, StoredRecord
 from sidecar.openengine import pb
 
 __all__ = [
     "END_SEQ",
+    "BatchHistory",
     "KvFaults",
     "KvSequencer",
     "PublishDecision",
-    "ReplayBuffer",
     "Style",
     "batch_to_pb",
     "encode_payload",
@@ -67,20 +67,20 @@ def seq_bytes(seq: int) -> bytes:
     return seq.to_bytes(8, "big")
 
 
-def _lora_slot(ev: BlockStored, style: Style) -> Any:
+def _lora_slot(ev: StoredRecord, style: Style) -> Any:
     if style == "sglang" and ev.cache_salt is not None:
         return {"cache_salt": ev.cache_salt, "session_id": ev.session_id}
     return ev.lora_name
 
 
-def _extra_keys(ev: BlockStored) -> list[list[str] | None] | None:
+def _extra_keys(ev: StoredRecord) -> list[list[str] | None] | None:
     if ev.extra_keys is None or not any(ev.extra_keys):
         return None
     return [list(k) if k else None for k in ev.extra_keys]
 
 
 def event_to_map(ev: KvEventRecord, style: Style = "vllm") -> dict[str, Any]:
-    if isinstance(ev, BlockStored):
+    if isinstance(ev, StoredRecord):
         out: dict[str, Any] = {
             "type": "BlockStored",
             "block_hashes": list(ev.block_hashes),
@@ -95,13 +95,13 @@ def event_to_map(ev: KvEventRecord, style: Style = "vllm") -> dict[str, Any]:
         if extra is not None:
             out["extra_keys"] = extra
         return out
-    if isinstance(ev, BlockRemoved):
+    if isinstance(ev, RemovedRecord):
         return {"type": "BlockRemoved", "block_hashes": list(ev.block_hashes), "medium": ev.medium}
     return {"type": "AllBlocksCleared"}
 
 
 def event_to_array(ev: KvEventRecord, style: Style = "vllm") -> list[Any]:
-    if isinstance(ev, BlockStored):
+    if isinstance(ev, StoredRecord):
         out: list[Any] = [
             "BlockStored",
             list(ev.block_hashes),
@@ -116,7 +116,7 @@ def event_to_array(ev: KvEventRecord, style: Style = "vllm") -> list[Any]:
         if extra is not None:
             out.append(extra)
         return out
-    if isinstance(ev, BlockRemoved):
+    if isinstance(ev, RemovedRecord):
         return ["BlockRemoved", list(ev.block_hashes), ev.medium]
     return ["AllBlocksCleared"]
 
@@ -150,7 +150,7 @@ _MEDIUM = {
 
 
 def event_to_pb(ev: KvEventRecord) -> pb.KvEvent:
-    if isinstance(ev, BlockStored):
+    if isinstance(ev, StoredRecord):
         stored = pb.BlockStored(
             block_hashes=[hash_to_pb(h) for h in ev.block_hashes],
             parent_block_hash=None if ev.parent_block_hash is None else hash_to_pb(ev.parent_block_hash),
@@ -163,7 +163,7 @@ def event_to_pb(ev: KvEventRecord) -> pb.KvEvent:
         if ev.extra_keys is not None and any(ev.extra_keys):
             stored.extra_keys = [pb.OpaqueKeyTuple(values=list(k or ())) for k in ev.extra_keys]
         return pb.KvEvent(block_stored=stored)
-    if isinstance(ev, BlockRemoved):
+    if isinstance(ev, RemovedRecord):
         return pb.KvEvent(
             block_removed=pb.BlockRemoved(
                 block_hashes=[hash_to_pb(h) for h in ev.block_hashes],
@@ -193,7 +193,7 @@ def large_batch_filler(size: int, block_size: int = 16) -> bytes:
     ``BlockStored`` of a chain of synthetic blocks, appended inside a batch's bytes (repeated
     fields concatenate; a message field given twice would not merge in every parser)."""
     blocks = max(1, size // 51)  # ~19 bytes of hash and ~32 of token ids per block
-    stored = BlockStored(
+    stored = StoredRecord(
         block_hashes=tuple(_FILLER_HASH + i for i in range(blocks)),
         parent_block_hash=None,
         token_ids=tuple(i % 16_000 + 100 for i in range(blocks * block_size)),
@@ -320,7 +320,7 @@ class KvFaults:
 T = TypeVar("T")
 
 
-class ReplayBuffer(Generic[T]):
+class BatchHistory(Generic[T]):
     """The last ``steps`` batches by sequence number (ascending)."""
 
     def __init__(self, steps: int) -> None:
@@ -360,7 +360,7 @@ class PublishDecision:
 class KvSequencer(Generic[T]):
     """Numbers one rank's batches and applies :class:`KvFaults` to the live stream and buffer."""
 
-    def __init__(self, buffer: ReplayBuffer[T], faults: KvFaults) -> None:
+    def __init__(self, buffer: BatchHistory[T], faults: KvFaults) -> None:
         self.buffer = buffer
         self.faults = faults
         self.next_seq = 0

@@ -43,7 +43,7 @@ class _Aborted(Exception):
     pass
 
 
-class _ClientGone(Exception):
+class _ClientLeft(Exception):
     """Sending failed at the transport: the client is no longer there."""
 
 
@@ -136,7 +136,7 @@ class _Stream:
         except asyncio.CancelledError:
             raise
         except Exception as err:
-            raise _ClientGone(f"{type(err).__name__}: {err}") from err
+            raise _ClientLeft(f"{type(err).__name__}: {err}") from err
 
     async def send_error(self, code: pb.ErrorCode, message: str, *, retryable: bool) -> None:
         """The terminal ``EngineError`` (fault ``event-after-error``: plus one more token event)."""
@@ -183,7 +183,7 @@ async def run_request(engine: MockEngine, req: Request, send: Send) -> None:
     except asyncio.CancelledError:
         engine.client_gone(req)
         raise
-    except _ClientGone as gone:
+    except _ClientLeft as gone:
         log.info("request %s: client gone while sending (%s)", req.id, gone)
         engine.client_gone(req)
         return

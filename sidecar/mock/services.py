@@ -19,7 +19,7 @@ from sidecar.mock.engine import MockEngine
 from sidecar.mock.kvevents import UnknownDpRank
 from sidecar.mock.lora import LoraError
 from sidecar.mock.runner import run_request
-from sidecar.mock.validation import Rejection, RoleMismatch
+from sidecar.mock.validation import RequestRefused, RoleMismatch
 from sidecar.openengine import pb
 from sidecar.openengine.server import RpcStatusError, request_kv_session_bytes, request_metadata
 
@@ -33,11 +33,11 @@ REPORT_CANCEL_TIMES = ("mock-report", "cancel-times")
 SLOW_HEALTH_DELAY = 2.0
 
 
-def _status(rej: Rejection | LoraError) -> RpcStatusError:
+def _status(rej: RequestRefused | LoraError) -> RpcStatusError:
     return RpcStatusError(rej.status, rej.message)
 
 
-class InferenceService(pb.InferenceBase):
+class SimulatedInference(pb.InferenceBase):
     """``Inference.Generate``: validation and admission, then :func:`run_request`."""
 
     def __init__(self, engine: MockEngine) -> None:
@@ -62,7 +62,7 @@ class InferenceService(pb.InferenceBase):
                     raise _status(rej) from None
                 await _late_failure(send, message, pb.ErrorCode.ROLE_MISMATCH, rej.message)
                 return
-            except Rejection as rej:
+            except RequestRefused as rej:
                 raise _status(rej) from None
             await run_request(engine, req, send)
         finally:
@@ -78,7 +78,7 @@ async def _late_failure(
     await send(pb.GenerateResponse(request_id=message.request_id, error=error, usage=usage))
 
 
-class ControlService(pb.ControlBase):
+class SimulatedControl(pb.ControlBase):
     """``Control``: discovery, health, load, Abort, Drain, LoRA and KV-event sources.
 
     Fault ``oversized-answer``: the named call's answers are padded (:meth:`_answer`)."""
@@ -99,7 +99,7 @@ class ControlService(pb.ControlBase):
         await self.engine.hangs.control()
         try:
             return self._answer("GetModelInfo", self.engine.model_info(message.model))
-        except Rejection as rej:
+        except RequestRefused as rej:
             raise _status(rej) from None
 
     async def get_load(self, message: pb.GetLoadRequest) -> pb.LoadInfo:
@@ -119,7 +119,7 @@ class ControlService(pb.ControlBase):
         await self.engine.hangs.control()
         try:
             return self._answer("Abort", self.engine.abort(message))
-        except Rejection as rej:
+        except RequestRefused as rej:
             raise _status(rej) from None
 
     async def drain(self, message: pb.DrainRequest) -> AsyncIterator[pb.DrainResponse]:
@@ -129,7 +129,7 @@ class ControlService(pb.ControlBase):
             async for response in drain_mod.drain(self.engine, message):
                 yield self._answer("Drain", response) if first else response
                 first = False
-        except Rejection as rej:
+        except RequestRefused as rej:
             raise _status(rej) from None
 
     async def load_lora(self, message: pb.LoadLoraRequest) -> pb.LoadLoraResponse:

@@ -1,7 +1,7 @@
 """Synchronous checks of a Generate request before acceptance (I/O-free).
 
 Everything here runs before the engine commits to a request, so every failure is a
-:class:`Rejection`: a non-OK gRPC status and no events (schema "Standard errors").
+:class:`RequestRefused`: a non-OK gRPC status and no events (schema "Standard errors").
 Status choices: malformed input, metadata or options → ``INVALID_ARGUMENT``; a feature
 this flavour does not advertise → ``UNIMPLEMENTED``; role/request mismatch and LoRA
 disabled → ``FAILED_PRECONDITION``; unknown model or adapter → ``NOT_FOUND``.
@@ -44,7 +44,7 @@ _PLACEHOLDER_MODALITY = {v: k for k, v in MEDIA_PLACEHOLDER.items()}
 _DATA_URI = re.compile(r"data:[\w.+-]+/[\w.+-]+(;[\w=.+-]+)*;base64,[A-Za-z0-9+/=\s]+", re.ASCII)
 
 
-class Rejection(Exception):
+class RequestRefused(Exception):
     """Refuse the request before acceptance with gRPC status ``status`` (a status name)."""
 
     def __init__(self, status: str, message: str) -> None:
@@ -53,19 +53,19 @@ class Rejection(Exception):
         self.message = message
 
 
-class RoleMismatch(Rejection):
+class RoleMismatch(RequestRefused):
     """The request does not fit the engine's role (``FAILED_PRECONDITION``)."""
 
     def __init__(self, message: str) -> None:
         super().__init__("FAILED_PRECONDITION", message)
 
 
-def _invalid(message: str) -> Rejection:
-    return Rejection("INVALID_ARGUMENT", message)
+def _invalid(message: str) -> RequestRefused:
+    return RequestRefused("INVALID_ARGUMENT", message)
 
 
-def _unsupported(message: str) -> Rejection:
-    return Rejection("UNIMPLEMENTED", message)
+def _unsupported(message: str) -> RequestRefused:
+    return RequestRefused("UNIMPLEMENTED", message)
 
 
 @dataclass(frozen=True)
@@ -376,7 +376,7 @@ def _extra(request: pb.GenerateRequest) -> tuple[StreamFaults, float | None, boo
 def validate(
     request: pb.GenerateRequest, metadata: Sequence[tuple[str, str | bytes]], view: EngineView
 ) -> RequestPlan:
-    """Check ``request`` against this engine; raises :class:`Rejection`."""
+    """Check ``request`` against this engine; raises :class:`RequestRefused`."""
     cfg, spec = view.config, view.flavor
     md = parse_metadata(
         metadata,
@@ -391,13 +391,13 @@ def validate(
     if model and model not in view.model_names:
         lora = view.loras.get(model)
         if lora is None:
-            raise Rejection("NOT_FOUND", f"model {model!r} is not served here")
+            raise RequestRefused("NOT_FOUND", f"model {model!r} is not served here")
     if request.lora_name:
         if not cfg.enable_lora:
-            raise Rejection("FAILED_PRECONDITION", "LoRA is disabled on this engine")
+            raise RequestRefused("FAILED_PRECONDITION", "LoRA is disabled on this engine")
         lora = view.loras.get(request.lora_name)
         if lora is None:
-            raise Rejection("NOT_FOUND", f"LoRA adapter {request.lora_name!r} is not loaded")
+            raise RequestRefused("NOT_FOUND", f"LoRA adapter {request.lora_name!r} is not loaded")
 
     kv = request.kv
     session = kv.session if kv is not None else None

@@ -11,21 +11,21 @@ from __future__ import annotations
 import os
 import sys
 
-from sidecar.mock.services import ControlService
+from sidecar.mock.services import SimulatedControl
 from sidecar.openengine import pb
 
 
 def main(argv: list[str]) -> None:
     ids = int(os.environ.get("BIG_LOAD_IDS", "0"))
-    full_get_load = ControlService.get_load
+    full_get_load = SimulatedControl.get_load
 
-    async def get_load(self: ControlService, message: pb.GetLoadRequest) -> pb.LoadInfo:
+    async def get_load(self: SimulatedControl, message: pb.GetLoadRequest) -> pb.LoadInfo:
         seen = self.engine.counters.aborts_received_by_id
         if len(seen) < ids:
             seen.update({f"sc-000000000000-{i}": 1 for i in range(ids)})
         return await full_get_load(self, message)
 
-    ControlService.get_load = get_load  # type: ignore[method-assign]
+    SimulatedControl.get_load = get_load  # type: ignore[method-assign]
     from sidecar.cli import main as cli_main
 
     cli_main(["mock-engine", *argv])

@@ -12,14 +12,14 @@ from collections.abc import Sequence
 import pytest
 
 from sidecar.mock.kvcache import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
+    ClearedRecord,
     KvCache,
     KvCacheFull,
     KvEventRecord,
     KvGroundTruth,
     MediaSpan,
+    RemovedRecord,
+    StoredRecord,
     block_hash,
     compute_block_hashes,
     event_from_json,
@@ -92,7 +92,7 @@ def test_prefix_reuse_counts_cached_tokens_and_emits_only_new_blocks() -> None:
     assert a.cached_tokens == 0 and a.num_blocks == 3 and len(a.block_hashes) == 2
     assert cache.used_blocks == 3 and cache.cached_blocks == 2
     [(rank, [stored])] = sink.batches
-    assert rank == 0 and isinstance(stored, BlockStored)
+    assert rank == 0 and isinstance(stored, StoredRecord)
     assert stored.block_hashes == tuple(a.block_hashes) and stored.parent_block_hash is None
     assert stored.token_ids == tuple(range(8)) and stored.block_size == BS
 
@@ -121,15 +121,15 @@ def test_lru_eviction_of_unpinned_blocks_tail_first() -> None:
     cache.release(a)  # idempotent
     c = cache.allocate(list(range(200, 204)))  # evicts a's tail block first
     removed, stored = sink.batches[-1][1]
-    assert removed == BlockRemoved((a.block_hashes[1],))
-    assert isinstance(stored, BlockStored) and stored.block_hashes == tuple(c.block_hashes)
+    assert removed == RemovedRecord((a.block_hashes[1],))
+    assert isinstance(stored, StoredRecord) and stored.block_hashes == tuple(c.block_hashes)
     assert cache.contains(a.block_hashes[0]) and not cache.contains(a.block_hashes[1])
     # reuse refreshes recency: a's head is pinned again, so b's blocks go next
     cache.release(b)
     d = cache.allocate([0, 1, 2, 3, 9, 9, 9, 9, 9])  # needs a new block + a tail block
     assert d.cached_tokens == 4
     removed2 = sink.batches[-1][1][0]
-    assert removed2 == BlockRemoved((b.block_hashes[1], b.block_hashes[0]))
+    assert removed2 == RemovedRecord((b.block_hashes[1], b.block_hashes[0]))
     assert cache.used_blocks == 4
 
 
@@ -142,7 +142,7 @@ def test_extend_seals_blocks_and_release_unpins() -> None:
     assert a.num_tokens == 9 and len(a.block_hashes) == 2 and a.tail_tokens == 1
     assert a.block_hashes == compute_block_hashes(list(range(1, 10)), BS, lora_id=3)
     sealed = sink.batches[-1][1]
-    assert [type(e) for e in sealed] == [BlockStored]
+    assert [type(e) for e in sealed] == [StoredRecord]
     assert sealed[0].lora_id == 3 and sealed[0].lora_name == "ad"  # type: ignore[union-attr]
     assert sealed[0].parent_block_hash == a.block_hashes[0]  # type: ignore[union-attr]
     assert cache.used_blocks == 3
@@ -161,7 +161,7 @@ def test_clear_batches_and_snapshot() -> None:
         c = cache.allocate([0, 1, 2, 3, 7, 7, 7, 7])  # shares b's blocks
     assert len(sink.batches) == 1 and len(sink.batches[0][1]) == 2
     first = sink.batches[0][1][0]
-    assert isinstance(first, BlockStored)
+    assert isinstance(first, StoredRecord)
     assert first.extra_keys == (("m1", "salt:salt"), None) and first.cache_salt == "salt"
     snap = cache.snapshot_events()
     assert {e.block_hashes[0] for e in snap} == set(cache.cached_hashes())
@@ -171,7 +171,7 @@ def test_clear_batches_and_snapshot() -> None:
         depth_ok.add(e.block_hashes[0])
         assert len(e.token_ids) == BS
     cache.clear()
-    assert sink.batches[-1][1] == [AllBlocksCleared()]
+    assert sink.batches[-1][1] == [ClearedRecord()]
     assert cache.cached_blocks == 0 and cache.used_blocks == 4  # live requests keep their blocks
     assert cache.lookup([0, 1, 2, 3, 7, 7, 7, 7, 1]) == 0  # but nothing is cached
     cache.release(a)
@@ -197,5 +197,5 @@ def test_ground_truth_log_and_json_round_trip(tmp_path) -> None:
     on_disk = load_ground_truth(path)
     assert [event_from_json(e) for e in on_disk[0]] == gt.events(0)
     assert [e["type"] for e in on_disk[1]] == ["BlockStored", "AllBlocksCleared"]
-    big = BlockStored((2**64 - 1,), 2**63, (1, 2, 3, 4), 4, lora_id=5, lora_name="x", extra_keys=(("a",),))
+    big = StoredRecord((2**64 - 1,), 2**63, (1, 2, 3, 4), 4, lora_id=5, lora_name="x", extra_keys=(("a",),))
     assert event_from_json(json.loads(json.dumps(event_to_json(big)))) == big

@@ -9,7 +9,7 @@ import pytest
 import trio
 import trio_asyncio
 
-from sidecar.mock.kvcache import BlockStored, KvCache, KvGroundTruth
+from sidecar.mock.kvcache import KvCache, KvGroundTruth, StoredRecord
 from sidecar.mock.kvevents import UnknownDpRank, kv_event_sources
 from sidecar.mock.kvevents_grpc import GrpcKvEvents, KvSubscription
 from sidecar.mock.kvevents_wire import KvFaults
@@ -59,7 +59,7 @@ def decoded(batch: pb.KvEventBatch) -> list[tuple[str, Any]]:
 
 
 def truth(ev: Any) -> tuple[str, Any]:
-    if isinstance(ev, BlockStored):
+    if isinstance(ev, StoredRecord):
         return "block_stored", (
             list(ev.block_hashes),
             ev.parent_block_hash,

@@ -17,12 +17,12 @@ import trio_asyncio
 import zmq
 
 from sidecar.mock.kvcache import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
+    ClearedRecord,
     KvCache,
     KvEventRecord,
     KvGroundTruth,
+    RemovedRecord,
+    StoredRecord,
 )
 from sidecar.mock.kvevents import ZmqKvEvents, kv_event_sources, routable_host
 from sidecar.mock.kvevents_wire import KvFaults
@@ -99,7 +99,7 @@ def decode_payload(payload: bytes) -> tuple[float, list[tuple[str, dict[str, Any
 
 def expected(ev: KvEventRecord, style: str) -> tuple[str, dict[str, Any]]:
     """What docs/design/engine-facts.md says the wire carries for a ground-truth record."""
-    if isinstance(ev, BlockStored):
+    if isinstance(ev, StoredRecord):
         lora_name: Any = ev.lora_name
         if style == "sglang" and ev.cache_salt is not None:
             lora_name = {"cache_salt": ev.cache_salt, "session_id": ev.session_id}
@@ -115,9 +115,9 @@ def expected(ev: KvEventRecord, style: str) -> tuple[str, dict[str, Any]]:
         if ev.extra_keys is not None:
             fields["extra_keys"] = [None if k is None else list(k) for k in ev.extra_keys]
         return "BlockStored", fields
-    if isinstance(ev, BlockRemoved):
+    if isinstance(ev, RemovedRecord):
         return "BlockRemoved", {"block_hashes": list(ev.block_hashes), "medium": "GPU"}
-    assert isinstance(ev, AllBlocksCleared)
+    assert isinstance(ev, ClearedRecord)
     return "AllBlocksCleared", {}
 
 
@@ -257,9 +257,9 @@ async def test_wire_format_seq_and_replay(aio_loop: Any, zctx: Any, style: str, 
                 assert await replay(zctx, src.replay_endpoint, 1, style=style, topic=b"kv") == replayed[1:]
             assert big_hash_seen  # hashes use the full unsigned 64-bit range
             kinds = {k for r in (0, 1) for e in gt.events(r) for k in [type(e).__name__]}
-            assert kinds == {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
+            assert kinds == {"StoredRecord", "RemovedRecord", "ClearedRecord"}
             if style == "sglang":
-                salted = [e for e in gt.events(0) if isinstance(e, BlockStored) and e.cache_salt]
+                salted = [e for e in gt.events(0) if isinstance(e, StoredRecord) and e.cache_salt]
                 assert salted and salted[0].session_id == "r3"
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from sidecar.mock import flavors
 from sidecar.mock.config import EngineConfig
-from sidecar.mock.counters import MAX_TRACKED_IDS, Counters
+from sidecar.mock.counters import MAX_TRACKED_IDS, GroundTruthCounters
 from sidecar.mock.faults import Faults, FaultSpecError, StreamFaults, parse_faults, parse_stream_faults
 from sidecar.mock.kvevents_wire import KvFaults
 from sidecar.mock.lora import LoraError, LoraRegistry
@@ -264,7 +264,7 @@ def test_faults_falsify_discovery() -> None:
 
 
 def test_counters_snapshot_and_id_cap() -> None:
-    c = Counters(dp_size=2)
+    c = GroundTruthCounters(dp_size=2)
     c.rejected("INVALID_ARGUMENT")
     for i in range(MAX_TRACKED_IDS + 3):
         c.abort_received(f"r{i}")

@@ -10,7 +10,7 @@ from sidecar.mock import flavors
 from sidecar.mock import tokenizer as tok
 from sidecar.mock.config import EngineConfig
 from sidecar.mock.lora import Adapter
-from sidecar.mock.validation import EngineView, Rejection, parse_metadata, validate
+from sidecar.mock.validation import EngineView, RequestRefused, parse_metadata, validate
 from sidecar.openengine import pb
 
 
@@ -30,8 +30,8 @@ def req(**kw: Any) -> pb.GenerateRequest:
     return pb.GenerateRequest(request_id="r", **kw)
 
 
-def rejected(request: pb.GenerateRequest, v: EngineView | None = None, md: Any = ()) -> Rejection:
-    with pytest.raises(Rejection) as info:
+def rejected(request: pb.GenerateRequest, v: EngineView | None = None, md: Any = ()) -> RequestRefused:
+    with pytest.raises(RequestRefused) as info:
         validate(request, md, v or view())
     return info.value
 
@@ -74,7 +74,7 @@ def test_metadata_parsed() -> None:
     ],
 )
 def test_bad_metadata(pairs: list[tuple[str, str]]) -> None:
-    with pytest.raises(Rejection) as info:
+    with pytest.raises(RequestRefused) as info:
         parse_metadata(pairs, dp_size=2)
     assert info.value.status == "INVALID_ARGUMENT"
 
