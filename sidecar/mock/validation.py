@@ -376,7 +376,12 @@ def _extra(request: pb.GenerateRequest) -> tuple[StreamFaults, float | None, boo
 def validate(
     request: pb.GenerateRequest, metadata: Sequence[tuple[str, str | bytes]], view: EngineView
 ) -> RequestPlan:
-    """Check ``request`` against this engine; raises :class:`RequestRefused`."""
+    """Check ``request`` against this engine; raises :class:`RequestRefused`.
+
+    One check per field group, in this order (the first refusal wins): metadata, model and
+    adapter, KV session, input (prompt, media, context), sampling, stopping, response
+    options, KV options, guided decoding, ``extra.mock``.
+    """
     cfg, spec = view.config, view.flavor
     md = parse_metadata(
         metadata,
@@ -384,8 +389,46 @@ def validate(
         lenient=cfg.faults.has("lenient-metadata"),
         allow_repeats=cfg.faults.has("repeated-metadata"),
     )
+    lora = _check_model(request, view)
+    kv = request.kv
+    session = kv.session if kv is not None else None
+    _session_checks(session, view, md)
+    prompt, media = _check_input(request, view)
+    s = request.sampling or pb.SamplingParams()
+    n = _check_sampling(s, spec)
+    seed = gen.mix(cfg.seed, gen.request_seed(prompt, s.seed, lora.name if lora else ""))
+    rules = _check_stopping(request.stopping or pb.StoppingOptions(), cfg, spec, len(prompt))
+    r = request.response or pb.ResponseOptions()
+    prompt_lp, out_spec = _check_response(r, spec, len(prompt))
+    salt, bypass = _check_kv_options(kv, spec)
+    forced = _guided(request, view, seed)
+    stream_faults, delay, stamp = _extra(request)
+    return RequestPlan(
+        request=request,
+        model=request.model or view.model,
+        prompt_ids=prompt,
+        media=media,
+        num_outputs=n,
+        rules=rules,
+        greedy=s.temperature is not None and s.temperature == 0,
+        seed=seed,
+        prompt_logprobs=prompt_lp,
+        output_logprobs=bool(r.return_output_logprobs),
+        output_candidates=out_spec,
+        forced=forced,
+        lora=lora,
+        metadata=md,
+        kv_session=session,
+        bypass_prefix_cache=bypass,
+        cache_salt=salt,
+        stream_faults=stream_faults,
+        token_delay_ms=delay,
+        stamp_tokens=stamp,
+    )
 
-    # Model and adapter.
+
+def _check_model(request: pb.GenerateRequest, view: EngineView) -> Adapter | None:
+    """The model (a served name, or a loaded adapter's name) and ``lora_name``: the adapter, if any."""
     lora: Adapter | None = None
     model = request.model
     if model and model not in view.model_names:
@@ -393,17 +436,17 @@ def validate(
         if lora is None:
             raise RequestRefused("NOT_FOUND", f"model {model!r} is not served here")
     if request.lora_name:
-        if not cfg.enable_lora:
+        if not view.config.enable_lora:
             raise RequestRefused("FAILED_PRECONDITION", "LoRA is disabled on this engine")
         lora = view.loras.get(request.lora_name)
         if lora is None:
             raise RequestRefused("NOT_FOUND", f"LoRA adapter {request.lora_name!r} is not loaded")
+    return lora
 
-    kv = request.kv
-    session = kv.session if kv is not None else None
-    _session_checks(session, view, md)
 
-    # Input.
+def _check_input(request: pb.GenerateRequest, view: EngineView) -> tuple[list[int], tuple[MediaSpan, ...]]:
+    """``prompt`` or ``token_ids``, the media items and options, within the context: the
+    prompt's token ids (media placeholders expanded) and the media spans in it."""
     name, value = _which(request, "input")
     if name == "prompt":
         if not value:
@@ -420,11 +463,14 @@ def validate(
         raise _invalid("one of prompt or token_ids is required")
     prompt, media = _media(request, prompt, view)
     _media_options(request, view)
-    if len(prompt) >= cfg.max_context_length:
-        raise _invalid(f"prompt of {len(prompt)} tokens exceeds the context of {cfg.max_context_length}")
+    limit = view.config.max_context_length
+    if len(prompt) >= limit:
+        raise _invalid(f"prompt of {len(prompt)} tokens exceeds the context of {limit}")
+    return prompt, media
 
-    # Sampling.
-    s = request.sampling or pb.SamplingParams()
+
+def _check_sampling(s: pb.SamplingParams, spec: FlavorSpec) -> int:
+    """The sampling ranges; returns the number of outputs."""
     if s.temperature is not None and s.temperature < 0:
         raise _invalid("temperature must be >= 0")
     if s.top_p is not None and not 0 < s.top_p <= 1:
@@ -444,30 +490,29 @@ def validate(
         raise _invalid("num_sequences must be > 0 when present")
     if n > spec.max_num_sequences:
         raise _invalid(f"num_sequences {n} exceeds max_num_sequences {spec.max_num_sequences}")
-    greedy = s.temperature is not None and s.temperature == 0
-    seed = gen.mix(cfg.seed, gen.request_seed(prompt, s.seed, lora.name if lora else ""))
+    return n
 
-    # Stopping.
-    st = request.stopping or pb.StoppingOptions()
-    room = cfg.max_context_length - len(prompt)
+
+def _max_tokens(st: pb.StoppingOptions, cfg: EngineConfig, prompt_len: int) -> int:
+    """``max_tokens`` (default: as many as fit); a prefill engine clamps instead of refusing."""
+    room = cfg.max_context_length - prompt_len
     if st.max_tokens is None:
-        max_tokens = min(cfg.max_output_tokens, room)
-    else:
-        max_tokens = st.max_tokens
-        if cfg.role != "prefill":
-            if max_tokens < 1:
-                raise _invalid("max_tokens must be >= 1")
-            if max_tokens > cfg.max_output_tokens:
-                raise _invalid(f"max_tokens {max_tokens} exceeds max_output_tokens {cfg.max_output_tokens}")
-            if max_tokens > room:
-                raise _invalid(
-                    f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceeds the context "
-                    f"of {cfg.max_context_length}"
-                )
-        max_tokens = max(1, min(max_tokens, room))
-    min_tokens = st.min_tokens or 0
-    if min_tokens > max_tokens:
-        raise _invalid(f"min_tokens {min_tokens} exceeds max_tokens {max_tokens}")
+        return min(cfg.max_output_tokens, room)
+    max_tokens = st.max_tokens
+    if cfg.role != "prefill":
+        if max_tokens < 1:
+            raise _invalid("max_tokens must be >= 1")
+        if max_tokens > cfg.max_output_tokens:
+            raise _invalid(f"max_tokens {max_tokens} exceeds max_output_tokens {cfg.max_output_tokens}")
+        if max_tokens > room:
+            raise _invalid(
+                f"prompt ({prompt_len}) + max_tokens ({max_tokens}) exceeds the context "
+                f"of {cfg.max_context_length}"
+            )
+    return max(1, min(max_tokens, room))
+
+
+def _stop_conditions(st: pb.StoppingOptions) -> tuple[list[str], set[int]]:
     texts: list[str] = []
     ids: set[int] = set()
     for i, cond in enumerate(st.conditions):
@@ -482,9 +527,21 @@ def validate(
             ids.add(cvalue)
         else:
             raise _invalid(f"stopping.conditions[{i}]: no condition set")
+    return texts, ids
+
+
+def _check_stopping(
+    st: pb.StoppingOptions, cfg: EngineConfig, spec: FlavorSpec, prompt_len: int
+) -> gen.StopRules:
+    """Token bounds and stop conditions, as the generator's stop rules."""
+    max_tokens = _max_tokens(st, cfg, prompt_len)
+    min_tokens = st.min_tokens or 0
+    if min_tokens > max_tokens:
+        raise _invalid(f"min_tokens {min_tokens} exceeds max_tokens {max_tokens}")
+    texts, ids = _stop_conditions(st)
     if st.include_stop_in_output and not spec.supports_stop_in_output:
         raise _unsupported("include_stop_in_output is not supported")
-    rules = gen.StopRules(
+    return gen.StopRules(
         max_tokens=max_tokens,
         min_tokens=min_tokens,
         stop_texts=tuple(texts),
@@ -493,19 +550,25 @@ def validate(
         include_stop_in_output=bool(st.include_stop_in_output),
     )
 
-    # Response options.
-    r = request.response or pb.ResponseOptions()
+
+def _check_response(
+    r: pb.ResponseOptions, spec: FlavorSpec, prompt_len: int
+) -> tuple[PromptLogprobs | None, gen.CandidateSpec | None]:
+    """Logprob options: what the prompt's and the outputs' logprobs carry."""
     prompt_lp = None
     if r.return_prompt_logprobs:
         start = r.prompt_logprob_start or 0
-        if start > len(prompt):
-            raise _invalid(f"prompt_logprob_start {start} is beyond the prompt ({len(prompt)} tokens)")
+        if start > prompt_len:
+            raise _invalid(f"prompt_logprob_start {start} is beyond the prompt ({prompt_len} tokens)")
         prompt_lp = PromptLogprobs(start, _candidates(r.prompt_candidates, spec.prompt_logprobs, "prompt"))
     out_spec = None
     if r.return_output_logprobs:
         out_spec = _candidates(r.output_candidates, spec.output_logprobs, "output")
+    return prompt_lp, out_spec
 
-    # KV options.
+
+def _check_kv_options(kv: pb.KvOptions | None, spec: FlavorSpec) -> tuple[str, bool]:
+    """``cache_salt`` and ``bypass_prefix_cache``, where the flavour supports them."""
     salt = ""
     bypass = False
     if kv is not None:
@@ -517,28 +580,4 @@ def validate(
             if not spec.supports_prefix_cache_bypass:
                 raise _unsupported("bypass_prefix_cache is not supported")
             bypass = True
-
-    forced = _guided(request, view, seed)
-    stream_faults, delay, stamp = _extra(request)
-    return RequestPlan(
-        request=request,
-        model=model or view.model,
-        prompt_ids=prompt,
-        media=media,
-        num_outputs=n,
-        rules=rules,
-        greedy=greedy,
-        seed=seed,
-        prompt_logprobs=prompt_lp,
-        output_logprobs=bool(r.return_output_logprobs),
-        output_candidates=out_spec,
-        forced=forced,
-        lora=lora,
-        metadata=md,
-        kv_session=session,
-        bypass_prefix_cache=bypass,
-        cache_salt=salt,
-        stream_faults=stream_faults,
-        token_delay_ms=delay,
-        stamp_tokens=stamp,
-    )
+    return salt, bypass
