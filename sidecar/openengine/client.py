@@ -55,7 +55,8 @@ from sidecar.openengine.errors import (
     EngineStatusError,
     EngineUnavailable,
 )
-from sidecar.openengine.fastdecode import decode_token_event
+from sidecar.openengine.fastdecode import decode_common_event
+from sidecar.openengine.fastencode import encode_generate_request
 from sidecar.openengine.message_limits import EngineLimits, run_sized
 from sidecar.openengine.rawfields import nested_field_bytes
 from sidecar.openengine.stream_rules import DrainRules, GenerateRules, KvEventRules
@@ -79,11 +80,13 @@ class _Codec(CodecBase):
     def encode(self, message: Any, message_type: Any) -> bytes:
         if isinstance(message, bytes | bytearray | memoryview):
             return bytes(message)
+        if message_type is pb.GenerateRequest:
+            return encode_generate_request(message) or bytes(message)  # a plain request, by hand
         return bytes(message)
 
     def decode(self, data: bytes, message_type: Any) -> Any:
-        if message_type is pb.GenerateResponse and (fast := decode_token_event(data)) is not None:
-            return fast  # the common token event, decoded by hand (identical result)
+        if message_type is pb.GenerateResponse and (fast := decode_common_event(data)) is not None:
+            return fast  # a token event or a finish, decoded by hand (identical result)
         message = message_type.parse(data)
         if message_type is pb.GenerateResponse and message.prefill_ready is not None:
             # Keep the engine's exact KvSessionRef bytes for a byte-for-byte handoff relay.
