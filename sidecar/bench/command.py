@@ -180,7 +180,12 @@ def _write(path: Path, doc: dict[str, Any], started: float) -> dict[str, Any]:
 )
 @_opt("--streams", type=click.IntRange(1), default=None, help="Relay: concurrent streams [256].")
 @_opt("--tokens", type=click.IntRange(1), default=None, help="Relay: tokens per stream [500].")
-@_opt("--rounds", type=click.IntRange(1), default=None, help="Relay: rounds of each client [3].")
+@_opt(
+    "--rounds",
+    type=click.IntRange(1),
+    default=None,
+    help="Rounds of each client in every scenario (relay, short, burst, dynamo, vllm) [3; --quick: 1].",
+)
 @_opt("--connections", type=click.IntRange(1), default=None, help="Load generator WebSocket connections [8].")
 @_opt(
     "--encoding",
@@ -239,9 +244,11 @@ def bench(**kw: Any) -> None:
     )
     if kw["quick"]:
         config = config.quick_sizes()
-    for key in ("streams", "tokens", "rounds", "connections"):
+    for key in ("streams", "tokens", "connections"):
         if kw[key] is not None:
             config = replace(config, **{key: kw[key]})
+    if kw["rounds"] is not None:
+        config = config.with_rounds(kw["rounds"])
     if kw["scale_points"]:
         config = replace(config, scale_points=kw["scale_points"])
     doc = trio.run(_until_signal, config)

@@ -108,3 +108,14 @@ class BenchConfig:
             vllm_tokens=16,
             vllm_rounds=1,
         )
+
+    def with_rounds(self, rounds: int) -> BenchConfig:
+        """The same sizes with ``rounds`` rounds of each client in every scenario (``--rounds``)."""
+        return replace(
+            self,
+            rounds=rounds,
+            short_rounds=rounds,
+            burst_rounds=rounds,
+            dynamo_rounds=rounds,
+            vllm_rounds=rounds,
+        )

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -209,3 +213,54 @@ def test_report_renders_unmeasured_ratios_as_dashes() -> None:
     }
     table = report.render_table({"relay": relay, "short": short})
     assert "0.83x" in table and "- " in table and "nan" not in table.lower()
+
+
+def test_cpu_profiler_samples_where_the_cpu_goes(tmp_path: Path) -> None:
+    """``sidecar.bench.cpuprof`` charges CPU-time samples to the running stack and writes the
+    collapsed stacks ``profile.summarize`` reads."""
+    out = tmp_path / "prof.txt"
+    code = (
+        "import time\n"
+        "from sidecar.bench import cpuprof\n"
+        f"cpuprof.start({str(out)!r}, 250)\n"
+        "def spin():\n"
+        "    end = time.process_time() + 0.4\n"
+        "    while time.process_time() < end:\n"
+        "        pass\n"
+        "spin()\n"
+        "time.sleep(0.3)\n"  # idle: no samples
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    summary = profile.summarize(out.read_text())
+    assert summary["samples"] >= 20  # 0.4 s of CPU at 250 Hz, allowing a coarse kernel timer
+    spin = next(r for r in summary["inclusive"] if r["function"].startswith("spin "))
+    assert spin["share"] > 0.8
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_rounds_option_sets_every_scenarios_rounds(quick: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench --rounds N`` (the A/B runs of docs/PERFORMANCE.md) reaches short, burst, dynamo and
+    vllm too, not only relay."""
+    from click.testing import CliRunner
+
+    from sidecar.bench import command
+
+    seen: list[Any] = []
+
+    async def fake_run(config: Any) -> None:
+        seen.append(config)
+
+    monkeypatch.setattr(command, "_until_signal", fake_run)
+    args = ["--scenarios", "short,burst", "--rounds", "2", *(["--quick"] if quick else [])]
+    result = CliRunner().invoke(command.bench, args)
+    assert result.exit_code == 130, result.output  # the fake run returned no document
+    (config,) = seen
+    rounds = (
+        config.rounds,
+        config.short_rounds,
+        config.burst_rounds,
+        config.dynamo_rounds,
+        config.vllm_rounds,
+    )
+    assert rounds == (2, 2, 2, 2, 2)
+    assert config.short_concurrency == (4 if quick else 64)  # sizes untouched
