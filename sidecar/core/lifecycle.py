@@ -207,6 +207,8 @@ class StreamSupervisor:
         #: Ids whose Abort is still being retried in the background: not admitted again until
         #: it is done (a late Abort would end the new stream).
         self._aborting: set[str] = set()
+        #: Kept Aborts being re-sent right now (a dropped one stays in ``_aborting`` till then).
+        self._probing: set[str] = set()
         self.progress = EngineProgress()
         #: Aborts still owed after ``abort_retry_window`` (their ids stay in ``_aborting``).
         self.backlog = AbortBacklog(self.config.max_undelivered_aborts)
@@ -367,9 +369,9 @@ class StreamSupervisor:
     async def _abort_in_background(self, request_id: str, answered: trio.Event) -> None:
         parked = False
         try:
-            retry, attempted = await self._first_attempt(request_id, answered)
+            retry, attempted, unreachable = await self._first_attempt(request_id, answered)
             if retry:
-                parked = await self._retry_abort_until_done(request_id, attempted)
+                parked = await self._retry_abort_until_done(request_id, attempted, unreachable)
         finally:
             answered.set()
             if not parked:
@@ -379,7 +381,7 @@ class StreamSupervisor:
         """Keep an Abort the engine could not be reached for (its id stays in ``_aborting``,
         so it is not admitted again meanwhile); the oldest kept is dropped when full."""
         dropped = self.backlog.add(request_id)
-        if dropped is not None:
+        if dropped is not None and dropped not in self._probing:  # else freed when that call ends
             self._aborting.discard(dropped)
 
     async def _redeliver(self) -> None:
@@ -393,7 +395,7 @@ class StreamSupervisor:
             await self.engine_reachable.wait_open()
             oldest = self.backlog.oldest()
             if oldest is not None and not await self._deliver_kept(oldest):
-                await self.backlog.pause(pause * random.uniform(0.5, 1.5))
+                await self.backlog.pause(min(pause * random.uniform(0.5, 1.5), REDELIVER_MAX_PAUSE))
                 pause = min(pause * 2, REDELIVER_MAX_PAUSE)
                 continue
             pause = REDELIVER_FIRST_PAUSE
@@ -405,46 +407,52 @@ class StreamSupervisor:
         """One attempt for a kept Abort; True when it is done with (answered, or failed for
         good), False when the engine is still out of reach."""
         async with self._abort_slots:
-            if request_id not in self.backlog:  # dropped, or delivered by another round
-                return True
-            with trio.move_on_after(self.config.abort_timeout):
-                try:
-                    result = await self._abort_once(request_id)
-                except _RetryableAbort:
-                    return False
-                except EngineClientError as err:
-                    log.warning("abort of %s failed: %s", quote(request_id), err)
-                    result = "failed"
-                metrics.child(metrics.ABORTS, result).inc()
-                self.backlog.discard(request_id)
-                self._aborting.discard(request_id)
-                return True
-            return False
+            if request_id not in self.backlog or request_id in self._probing:
+                return True  # dropped, delivered by another round, or being sent now
+            self._probing.add(request_id)
+            try:
+                with trio.move_on_after(self.config.abort_timeout):
+                    try:
+                        result = await self._abort_once(request_id)
+                    except _RetryableAbort:
+                        return False
+                    except EngineClientError as err:
+                        log.warning("abort of %s failed: %s", quote(request_id), err)
+                        result = "failed"
+                    metrics.child(metrics.ABORTS, result).inc()
+                    self.backlog.discard(request_id)
+                    return True
+                return False
+            finally:
+                self._probing.discard(request_id)
+                if request_id not in self.backlog:  # done with, or dropped while it was sent
+                    self._aborting.discard(request_id)
 
-    async def _first_attempt(self, request_id: str, answered: trio.Event) -> tuple[bool, bool]:
+    async def _first_attempt(self, request_id: str, answered: trio.Event) -> tuple[bool, bool, bool]:
         """One Abort attempt (a slot, then the call, each within ``abort_timeout``); sets
-        ``answered`` when it is over. Returns (to be retried, a call was made)."""
+        ``answered`` when it is over. Returns (to be retried, a call was made, the engine gave
+        no answer)."""
         try:
             slot = False
             with trio.move_on_after(self.config.abort_timeout):
                 await self._abort_slots.acquire()
                 slot = True
             if not slot:
-                return True, False
+                return True, False, True
             try:
                 with trio.move_on_after(self.config.abort_timeout):
                     try:
                         metrics.child(metrics.ABORTS, await self._abort_once(request_id)).inc()
-                        return False, True
-                    except _RetryableAbort:
-                        pass
+                        return False, True, False
+                    except _RetryableAbort as err:
+                        return True, True, not err.answered
                     except EngineClientError as err:
                         metrics.child(metrics.ABORTS, "failed").inc()
                         log.warning("abort of %s failed: %s", quote(request_id), err)
-                        return False, True
+                        return False, True, False
             finally:
                 self._abort_slots.release()
-            return True, True
+            return True, True, True
         finally:
             answered.set()
 
@@ -456,25 +464,28 @@ class StreamSupervisor:
                 self.backlog.answered()
                 return "not_found"
             if err.retryable:
-                raise _RetryableAbort from err
+                raise _RetryableAbort(answered=True) from err
             raise
         except EngineUnavailable as err:
-            raise _RetryableAbort from err
+            raise _RetryableAbort(answered=False) from err
         self.backlog.answered()
         if resp.status == pb.AbortStatus.ALREADY_FINISHED:
             return "already_finished"
         return "aborted"
 
-    async def _retry_abort_until_done(self, request_id: str, attempted: bool) -> bool:
+    async def _retry_abort_until_done(self, request_id: str, attempted: bool, unreachable: bool) -> bool:
         """Retry an Abort in the background within ``abort_retry_window``. ``attempted`` False:
         it never got a slot (a mass disconnect's queue), so its first attempt is no retry: it
         waits for a slot without a backoff pause and is not counted in ``abort_retries``. While
         the engine is known to be lost
         (``engine_reachable`` closed by the engine watch), they wait and the window does not
         run: a frozen engine gets its Aborts when it runs again, however long it was gone.
-        (Their number is bounded: a lost engine admits no new stream.) Still unanswered when
-        the window is over: kept in the backlog for :meth:`_redeliver` (returns True), unless
-        ``max_undelivered_aborts`` is 0."""
+        (Their number is bounded: a lost engine admits no new stream.) When the window is over
+        and the last attempt got no answer at all (``unreachable``: no connection, or nothing
+        back within ``abort_timeout``), the Abort is kept in the backlog for
+        :meth:`_redeliver` (returns True), unless ``max_undelivered_aborts`` is 0. An engine
+        that answers but keeps refusing (a retryable status) is given up on: it is there,
+        and the request is its to time out."""
         deadline = trio.current_time() + self.config.abort_retry_window
         delay = 0.05
         while trio.current_time() < deadline:
@@ -489,18 +500,20 @@ class StreamSupervisor:
                 delay = min(delay * 2, 2.0)
                 metrics.ABORT_RETRIES.inc()
             attempted = True
+            unreachable = True  # unless an answer comes back
             async with self._abort_slots:
                 with trio.move_on_after(self.config.abort_timeout):
                     try:
                         metrics.child(metrics.ABORTS, await self._abort_once(request_id)).inc()
                         return False
-                    except _RetryableAbort:
+                    except _RetryableAbort as err:
+                        unreachable = not err.answered
                         continue
                     except EngineClientError as err:
                         log.warning("abort of %s failed: %s", quote(request_id), err)
                         metrics.child(metrics.ABORTS, "failed").inc()
                         return False
-        if self.backlog.cap:
+        if self.backlog.cap and unreachable:
             log.info(
                 "abort of %s undelivered after %.0fs; kept to be re-sent when the engine answers",
                 quote(request_id),
@@ -514,7 +527,12 @@ class StreamSupervisor:
 
 
 class _RetryableAbort(Exception):
-    pass
+    """An Abort to try again; ``answered``: the engine answered (a retryable status) rather
+    than being out of reach."""
+
+    def __init__(self, *, answered: bool) -> None:
+        super().__init__()
+        self.answered = answered
 
 
 class _Relay:
