@@ -5,6 +5,17 @@ asyncio programs built on the generated grpclib bases through
 (:mod:`.command`), from trio code with :func:`.testing.run_mock_engine` (subprocess) or
 :func:`.testing.mock_engine_in_process`, or from asyncio with :func:`.app.serve_engine`.
 
+Concurrency: asyncio's structured forms (Python 3.11) — ``asyncio.TaskGroup`` for tasks
+that live together (the engine's holders of leaked requests in :meth:`.engine.MockEngine.serving`,
+an Abort racing a KV handoff in :mod:`.runner`, the ZMQ publishers), ``asyncio.timeout``
+for bounded waits (a request's pause is :meth:`.engine.Request.wait_woken`). asyncio, not
+trio, because the engine is served by grpclib (:mod:`sidecar.openengine.server`), an asyncio
+library, as a real engine's server is: its handlers are asyncio tasks, and trio would put a
+trio_asyncio hop on every event the engine sends. Left as they are, each for its reason:
+asyncio's stream server starts a task per KV-transfer connection (:mod:`.transfer` cancels
+and awaits them on close), a held KV session expires by a timer handle (data with a
+deadline, not an activity), ZMQ sends complete by callback (``publish`` is synchronous).
+
 Modules:
 
 - :mod:`.config` (``EngineConfig``), :mod:`.faults` (``--fault`` switches),

@@ -100,7 +100,7 @@ async def open_engine(
         if isinstance(sink, GrpcKvEvents):
             for cache in engine.caches:
                 sink.attach_cache(cache)
-        stack.push_async_callback(engine.shutdown)
+        await stack.enter_async_context(engine.serving())
         services = [SimulatedControl(engine), SimulatedInference(engine)]
         running = await stack.enter_async_context(open_server(services, config.listen))
         # Runs first on exit: handlers cancelled by the server's shutdown are not client cancels.

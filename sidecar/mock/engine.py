@@ -20,7 +20,8 @@ import itertools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,7 @@ from sidecar.mock.transfer import (
     resolve_session,
 )
 from sidecar.mock.validation import EngineView, RequestPlan, RequestRefused, validate
+from sidecar.nursery import lone_exception
 from sidecar.openengine import pb
 
 log = logging.getLogger(__name__)
@@ -75,7 +77,6 @@ class Request:
     client: bool = True
     leaked: bool = False
     abort_reason: str | None = None
-    waiter: asyncio.Future[None] | None = None
     phase: str = "queued"  # queued | prefill | decode | handoff | done
     completion_tokens: int = 0
     session_id: str = ""
@@ -83,10 +84,25 @@ class Request:
     locator: SessionLocator | None = None
     done: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    _woken: asyncio.Future[None] | None = field(default=None, repr=False)
 
     def wake(self) -> None:
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
+        """Wake the request's task where it waits (:meth:`wait_woken`): an Abort, a running
+        slot, shutdown. Nothing happens when it is not waiting (it checks its state first)."""
+        if self._woken is not None and not self._woken.done():
+            self._woken.set_result(None)
+
+    async def wait_woken(self, seconds: float | None = None) -> None:
+        """Wait until :meth:`wake` or ``seconds`` passed (``None``: no bound); one waiter at a
+        time. (A bare future, not an ``asyncio.Event``: this is the per-token pause.)"""
+        self._woken = woken = asyncio.get_running_loop().create_future()
+        try:
+            async with asyncio.timeout(seconds):
+                await woken
+        except TimeoutError:
+            pass
+        finally:
+            self._woken = None
 
 
 def _recent_entry(
@@ -117,11 +133,6 @@ def _recent_entry(
         raw = kv_session_bytes if kv_session_bytes is not None else bytes(plan.kv_session)
         entry["kv_session_b64"] = base64.b64encode(raw).decode()
     return entry
-
-
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 class MockEngine:
@@ -169,7 +180,7 @@ class MockEngine:
         self.draining = False
         self.closing = False
         self.changed = asyncio.Event()
-        self.tasks: set[asyncio.Task[Any]] = set()
+        self._background: asyncio.TaskGroup | None = None  # see serving()
         self._ids = itertools.count(1)
         self._drops_left = config.faults.drop_aborts
         self.slow_health_left = 0  # armed by the first accepted request (fault slow-health)
@@ -185,22 +196,34 @@ class MockEngine:
         """Serving begins (Health leaves STARTING after ``slow-start``)."""
         self.started_at = asyncio.get_running_loop().time()
 
-    def spawn(self, coro: Any) -> asyncio.Task[Any]:
-        task = asyncio.get_running_loop().create_task(coro)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-        return task
+    @asynccontextmanager
+    async def serving(self) -> AsyncIterator[None]:
+        """The engine's background tasks (the holders of leaked requests) run in one task group
+        for the block. Leaving it shuts them down: every request still held is released
+        (outcome ``shutdown``) and the group waits for its holders to end, at most 2 s.
+        In-flight Generate handlers are the server's (it cancels them when it closes)."""
+        try:
+            async with asyncio.timeout(None) as bound, asyncio.TaskGroup() as group:
+                self._background = group
+                try:
+                    yield
+                finally:
+                    self._background = None
+                    self._release_held()
+                    bound.reschedule(asyncio.get_running_loop().time() + 2.0)
+        except TimeoutError:
+            log.warning("background tasks still running 2 s after shutdown: cancelled")
+        except BaseExceptionGroup as group:  # the block's own exception, not wrapped by the group
+            lone = lone_exception(group)
+            if lone is group:
+                raise
+            raise lone from None
 
-    async def shutdown(self) -> None:
-        """Stop background tasks (orphan holders); in-flight handlers are cancelled by the server."""
+    def _release_held(self) -> None:
         self.closing = True
         for req in list(self.requests.values()):
             req.abort_reason = req.abort_reason or "shutdown"
             req.wake()
-        for task in list(self.tasks):
-            task.cancel()
-        if self.tasks:
-            await asyncio.wait(list(self.tasks), timeout=2.0)
 
     def _elapsed(self) -> float:
         if self.started_at is None:
@@ -386,9 +409,13 @@ class MockEngine:
             return
         req.leaked = True
         self.counters.requests_leaked += 1
-        self.spawn(self._hold_orphan(req))
+        if self._background is None:  # not serving (shutting down): nothing holds it
+            self.finish(req, SHUTDOWN)
+            return
+        self._background.create_task(self._hold_orphan(req), name=f"hold-{req.id}")
 
     async def _hold_orphan(self, req: Request) -> None:
+        """Hold a leaked request until an Abort names it, shutdown, or ``--orphan-timeout``."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.orphan_timeout_s
         try:
@@ -398,14 +425,7 @@ class MockEngine:
                     log.info("leaked request %s expired after %.1fs", req.id, self.config.orphan_timeout_s)
                     self.finish(req, ORPHAN_EXPIRED)
                     return
-                fut = loop.create_future()
-                req.waiter = fut
-                handle = loop.call_later(remaining, _resolve, fut)
-                try:
-                    await fut
-                finally:
-                    handle.cancel()
-                    req.waiter = None
+                await req.wait_woken(remaining)
             self.finish(req, ORPHAN_ABORTED if req.abort_reason != "shutdown" else SHUTDOWN)
         finally:
             if not req.done:

@@ -31,7 +31,6 @@ batches, as with real engines); it must run on the event loop thread. Outside
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 import time
@@ -299,7 +298,7 @@ class ZmqKvEvents:
         self._faults = faults
         self._ctx: zmq.asyncio.Context | None = None
         self.publishers: dict[int, ZmqKvPublisher] = {}
-        self._tasks: list[asyncio.Task[None]] = []
+        self._service: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> ZmqKvEvents:
         self._ctx = zmq.asyncio.Context()
@@ -321,9 +320,9 @@ class ZmqKvEvents:
                 )
                 self.publishers[rank] = pub
                 pub.bind()
-            self._tasks = [
-                asyncio.create_task(p.run(), name=f"kv-events-{p.dp_rank}") for p in self.publishers.values()
-            ]
+            # One service task owns the publishers' task group: a group cannot be opened here and
+            # left in __aexit__, which may run in another asyncio task (trio_asyncio's wrappers).
+            self._service = asyncio.create_task(self._serve(), name="kv-events")
         except BaseException:
             await self.aclose()
             raise
@@ -332,13 +331,30 @@ class ZmqKvEvents:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
+    async def _serve(self) -> None:
+        try:
+            async with asyncio.TaskGroup() as group:
+                for pub in self.publishers.values():
+                    group.create_task(pub.run(), name=f"kv-events-{pub.dp_rank}")
+        except Exception:
+            logger.exception("KV event publishers failed: no more KV events are served")
+            raise
+
     async def aclose(self) -> None:
-        tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        """Stop the publishers (their failure, if any, is raised here), close the sockets."""
+        service, self._service = self._service, None
+        try:
+            if service is not None:
+                service.cancel()
+                try:
+                    await service
+                except asyncio.CancelledError:
+                    if not service.cancelled():
+                        raise  # this task's own cancellation
+        finally:
+            self._close_sockets()
+
+    def _close_sockets(self) -> None:
         for pub in self.publishers.values():
             pub.close()
         if self._ctx is not None:

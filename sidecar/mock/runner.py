@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from sidecar.mock import events as ev
@@ -29,6 +29,7 @@ from sidecar.mock import tokenizer as tok
 from sidecar.mock import transfer as xfer
 from sidecar.mock.engine import ABORTED, COMPLETED, DROPPED, FAILED, MockEngine, Request
 from sidecar.mock.kvcache import KvCacheFull, compute_block_hashes
+from sidecar.nursery import lone_exception
 from sidecar.openengine import pb
 
 log = logging.getLogger(__name__)
@@ -54,52 +55,46 @@ class _Ended(Exception):
         self.outcome = outcome
 
 
-def resolve(fut: asyncio.Future[None]) -> None:
-    """Complete ``fut`` unless it is already done (a timer or wake-up callback)."""
-    if not fut.done():
-        fut.set_result(None)
-
-
 async def _pause(req: Request, seconds: float) -> None:
-    """Sleep ``seconds`` (forever if None-like < 0) unless an abort wakes the request first."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[None] = loop.create_future()
-    req.waiter = fut
-    handle = loop.call_later(seconds, resolve, fut) if seconds >= 0 else None
-    try:
-        if req.abort_reason is None:
-            await fut
-    finally:
-        if handle is not None:
-            handle.cancel()
-        req.waiter = None
+    """Sleep ``seconds`` (no bound when < 0) unless the request is woken first; raises
+    :class:`_Aborted` if it was aborted."""
+    if req.abort_reason is None:
+        await req.wait_woken(seconds if seconds >= 0 else None)
     if req.abort_reason is not None:
         raise _Aborted
 
 
-async def _abortable(req: Request, coro: Awaitable[T]) -> T:
-    """Await ``coro`` unless an abort comes first (then it is cancelled and _Aborted raised)."""
-    loop = asyncio.get_running_loop()
-    task = asyncio.ensure_future(coro)
-    fut: asyncio.Future[None] = loop.create_future()
-    req.waiter = fut
-    try:
-        if req.abort_reason is None:
-            waiting: set[asyncio.Future[Any]] = {task, fut}
-            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        req.waiter = None
-        if not task.done():
-            task.cancel()
-            try:
-                await task
-            except BaseException:
-                pass
-    if req.abort_reason is not None and not (
-        task.done() and not task.cancelled() and task.exception() is None
-    ):
+async def _abortable(req: Request, coro: Coroutine[Any, Any, T]) -> T:
+    """Await ``coro`` unless an Abort comes first (then it is cancelled and :class:`_Aborted`
+    raised; a result that came first still counts). The work and the Abort watcher run in
+    one task group: each ends the other, a cancelled caller cancels both."""
+    if req.abort_reason is not None:
+        coro.close()
         raise _Aborted
-    return task.result()
+    result: list[T] = []
+
+    async def work() -> None:
+        try:
+            result.append(await coro)
+        finally:
+            watcher.cancel()
+
+    async def watch() -> None:
+        while req.abort_reason is None:
+            await req.wait_woken()
+        worker.cancel()
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            watcher = group.create_task(watch())
+            worker = group.create_task(work())
+    except BaseExceptionGroup as failed:  # the work's own error (the watcher raises none)
+        if req.abort_reason is not None:
+            raise _Aborted from None
+        raise lone_exception(failed) from None
+    if not result:
+        raise _Aborted
+    return result[0]
 
 
 class _Stream:

@@ -248,11 +248,12 @@ class KvTransferServer:
     async def aclose(self) -> None:
         if self._server is not None:
             self._server.close()
-        for task in list(self._handlers):
+        # asyncio's stream server starts a task per connection (no task group for them in
+        # 3.11): cancelled here and awaited; each logs its own failure
+        handlers = list(self._handlers)
+        for task in handlers:
             task.cancel()
-        for task in list(self._handlers):
-            with contextlib.suppress(BaseException):
-                await task
+        await asyncio.gather(*handlers, return_exceptions=True)
         if self._server is not None:
             await self._server.wait_closed()
             self._server = None
@@ -276,6 +277,7 @@ class KvTransferServer:
         """Keep ``payload`` for a decode pull; ``release`` runs once when pulled, dropped or expired."""
         if payload.session_id in self._sessions:
             raise ValueError(f"KV session {payload.session_id!r} already held")
+        # an expiry of held data, not an activity: a timer handle dropped with the session
         timer = asyncio.get_running_loop().call_later(
             self.session_ttl if ttl is None else ttl, self._expire, payload.session_id
         )
