@@ -77,7 +77,10 @@ async def running_request(ctx: Context, label: str) -> AsyncIterator[tuple[LiveS
             if first is None or rules.kind(first) != "token":
                 raise Fail(f"a long request did not start streaming tokens: {live.record.summary()}")
         if not await ctx.wait_busy(baseline, END_WITHIN):
-            raise Skip("the long request never showed in GetLoad running/queued requests")
+            raise Skip(
+                f"the long request ({max_tokens} tokens) never showed in GetLoad running/queued "
+                f"requests within {END_WITHIN:g} s (an engine this fast may have finished it first)"
+            )
         yield live, baseline
 
 

@@ -1,17 +1,19 @@
 """I/O-free parts of the vLLM adapter that need no vLLM: the event builder's stream rules, the
-command's flag checks and its answer when the 'vllm' extra is missing, the settings."""
+load the registry reports, the command's flag checks and its answer when the 'vllm' extra is
+missing, the settings."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from click.testing import CliRunner
 
 from sidecar.engines.vllm import command
 from sidecar.engines.vllm.config import VllmSettings
+from sidecar.engines.vllm.engine import SchedulerStatsSink, VllmEngine
 from sidecar.engines.vllm.events import EngineFailure, EventBuilder
 from sidecar.openengine import pb
 
@@ -88,6 +90,37 @@ def test_stop_matches_and_abort() -> None:
         EventBuilder("r", 1, eos_token_id=2).on_output(Output([Completion(0, [3], "z", "error")]))
     err = EventBuilder("r", 1, eos_token_id=2).error(pb.ErrorCode.INTERNAL, "boom", retryable=True)
     assert err.error is not None and err.usage is not None
+
+
+def test_withdrawn_events_are_as_if_never_built() -> None:
+    b = EventBuilder("r", 1, eos_token_id=None)
+    sent = b.on_output(Output([Completion(0, [5, 6])]))
+    unsent = b.on_output(Output([Completion(0, [7, 8, 9], finish_reason="length")], finished=True))
+    assert b.done
+    b.withdraw(unsent)  # an Abort came before these were sent
+    assert not b.done
+    (cancel,) = b.cancel_rest("aborted (abort)")
+    assert cancel.finished is not None and cancel.finished.reason == pb.FinishReason.CANCELLED
+    assert kinds(sent) == ["token"] and cancel.usage is not None and cancel.usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize(
+    ("in_flight", "vllm_running", "vllm_waiting", "expected"),
+    [
+        (0, 1, 0, (0, 0)),  # vLLM's stats from before its last request ended (no step since)
+        (1, 0, 0, (1, 0)),  # admitted, vLLM has not stepped yet; or finished in vLLM, events unsent
+        (3, 1, 2, (1, 2)),
+        (1, 0, 5, (0, 1)),
+    ],
+)
+def test_load_counts_the_registry_split_by_vllm_stats(
+    in_flight: int, vllm_running: int, vllm_waiting: int, expected: tuple[int, int]
+) -> None:
+    stats = SchedulerStatsSink()
+    stats.running, stats.waiting = vllm_running, vllm_waiting
+    engine = VllmEngine(llm=None, discovery=cast(Any, None), stats=stats)
+    engine.requests = {f"r{i}": cast(Any, None) for i in range(in_flight)}
+    assert engine.requests_load() == expected
 
 
 def test_prompt_once_first_and_candidates_by_rank() -> None:

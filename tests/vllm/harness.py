@@ -31,6 +31,10 @@ from tests.prereq import require_module
 MODEL = "tiny-llama"
 BLOCK = 32
 KV_BLOCKS = 2048
+#: The tiny model's full context: the conformance suite's "long" request is then 4,096 tokens
+#: (its cap), which even this tiny model takes seconds to generate, several times the 3 s the
+#: cancel checks allow a loaded machine to observe it running (1,792 tokens at 2,048 did not).
+MAX_MODEL_LEN = 8192
 START_TIMEOUT = 420.0  # a cold start under a loaded 2-core machine
 
 
@@ -118,7 +122,7 @@ def start_engine(model: Path, tmp: Path, name: str, *args: str) -> VllmProc:
         "--kv-cache-blocks",
         str(KV_BLOCKS),
         "--max-model-len",
-        "2048",
+        str(MAX_MODEL_LEN),
         "--instance-id",
         name,
         "--ready-file",
@@ -169,8 +173,10 @@ async def wait_request_gone(address: str, timeout: float = 15) -> dict[str, Any]
     async def gone() -> dict[str, Any] | None:
         load = await engine_load(address)
         attrs = load.attributes.to_dict() if load.attributes is not None else {}
-        idle = (load.running_requests or 0) + (load.queued_requests or 0) == 0
-        return attrs if idle and attrs["vllm_unfinished_requests"] == 0 and attrs["in_flight"] == 0 else None
+        vllm_idle = attrs["vllm_running"] == 0 and attrs["vllm_waiting"] == 0
+        vllm_idle = vllm_idle and attrs["vllm_unfinished_requests"] == 0
+        held = (load.running_requests or 0) + (load.queued_requests or 0) + attrs["in_flight"]
+        return attrs if vllm_idle and held == 0 else None
 
     result: dict[str, Any] = await eventually(gone, timeout, interval=0.05)
     return result

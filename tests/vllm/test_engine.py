@@ -17,7 +17,8 @@ import trio
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
 from sidecar.openengine.errors import EngineStatusError
-from tests.vllm.harness import MODEL, VllmProc, token_ids
+from tests.polling import eventually
+from tests.vllm.harness import MAX_MODEL_LEN, MODEL, VllmProc, engine_load, token_ids, wait_request_gone
 
 
 def req(rid: str, max_tokens: int = 6, *, ignore_eos: bool = True, **fields: Any) -> pb.GenerateRequest:
@@ -69,7 +70,7 @@ REFUSED = [
         req("r-tag", guided=pb.GuidedDecoding(structural_tag='{"type": "structural_tag"}')),
         "UNIMPLEMENTED",
     ),
-    ("too-long", req("r-long", token_ids=pb.TokenIds(ids=token_ids(5, 2048))), "INVALID_ARGUMENT"),
+    ("too-long", req("r-long", token_ids=pb.TokenIds(ids=token_ids(5, MAX_MODEL_LEN))), "INVALID_ARGUMENT"),
 ]
 
 
@@ -158,3 +159,41 @@ async def test_logprobs_stop_text_choice_and_two_outputs(aio_loop: Any, vllm_eng
     assert sorted(e.finished.output_index for e in events if e.finished is not None) == [0, 1]
     assert [e.usage is not None for e in events] == [False] * (len(events) - 1) + [True]
     assert events[-1].usage is not None and events[-1].usage.completion_tokens == 8
+
+
+async def test_abort_after_vllm_finished_an_unread_request_cuts_its_stream(
+    aio_loop: Any, vllm_engine: VllmProc
+) -> None:
+    """vLLM runs ahead of a client that does not read: it can finish a request whose events still
+    wait in the adapter (HTTP/2 flow control). An Abort then answers ABORTED, so the stream must
+    end there (``CANCELLED``), not deliver the rest of the tokens and a ``LENGTH`` finish."""
+    rid = "abort-unread-1"
+    # per-token logprobs with 8 candidates: far more than the 64 KiB stream window unread
+    response = pb.ResponseOptions(
+        return_output_logprobs=True, output_candidates=pb.CandidateTokenSelection(top_n=8)
+    )
+    request = req(rid, 1500, response=response)
+    async with open_engine_client(vllm_engine.address) as client:
+        with trio.fail_after(120):
+            async with client.generate(request) as stream:
+                first = await stream.__anext__()
+                assert first.token is not None, first
+
+                async def held_after_vllm_finished() -> pb.LoadInfo | None:
+                    load = await engine_load(vllm_engine.address)
+                    attrs = load.attributes.to_dict() if load.attributes is not None else {}
+                    finished = attrs["vllm_unfinished_requests"] == 0 and attrs["vllm_running"] == 0
+                    return load if finished and attrs["in_flight"] == 1 else None
+
+                load = await eventually(held_after_vllm_finished, 60, interval=0.05)
+                # GetLoad still counts it (as Abort and Drain do), although vLLM's stats no longer do
+                assert (load.running_requests, load.queued_requests) == (1, 0), load
+                reply = await client.abort(pb.AbortRequest(request_id=rid))
+                assert reply.status == pb.AbortStatus.ABORTED, reply
+                rest = [event async for event in stream]
+    tokens = len(first.token.tokens) + sum(len(e.token.tokens) for e in rest if e.token is not None)
+    finished = rest[-1].finished
+    assert finished is not None and finished.reason == pb.FinishReason.CANCELLED, (finished, tokens)
+    assert tokens < 1500 and rest[-1].usage is not None
+    assert rest[-1].usage.completion_tokens == tokens
+    await wait_request_gone(vllm_engine.address)

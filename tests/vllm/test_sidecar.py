@@ -18,7 +18,16 @@ import trio
 from sidecar.client.sidecar_client import open_sidecar
 from tests.e2e.harness import sidecar
 from tests.kvbridge.consumer import Consumer
-from tests.vllm.harness import BLOCK, KV_BLOCKS, MODEL, VllmProc, attributes, token_ids, wait_request_gone
+from tests.vllm.harness import (
+    BLOCK,
+    KV_BLOCKS,
+    MAX_MODEL_LEN,
+    MODEL,
+    VllmProc,
+    attributes,
+    token_ids,
+    wait_request_gone,
+)
 
 KV_BRIDGED = re.compile(r"KV events bridged from \S+ to rank 0: (\S+) \(replay (\S+)\)")
 
@@ -48,7 +57,7 @@ async def test_worker_card_is_vllms_own_configuration(aio_loop: Any, vllm_engine
     assert card["role"] == "aggregated" and card["dpRanks"] == [0] and card["problems"] == []
     assert card["capacity"]["kvBlockSize"] == BLOCK and int(card["capacity"]["totalKvBlocks"]) == KV_BLOCKS
     (model,) = card["models"]
-    assert model["servedModelName"] == MODEL and model["maxContextLength"] == 2048
+    assert model["servedModelName"] == MODEL and model["maxContextLength"] == MAX_MODEL_LEN
     assert model["tokenizer"]["source"] == model["modelId"]  # the model directory
     assert model["generation"]["supportsCacheSalt"] is True and model["supportsLora"] is False
     (source,) = card["kvEventSources"]

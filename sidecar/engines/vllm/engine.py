@@ -6,9 +6,9 @@ status before acceptance) registers the request; ``stream.run_request`` drives i
 ``AsyncLLM.generate``; ``finish`` ends it with one outcome and remembers its id (bounded) so a
 later Abort answers ``ALREADY_FINISHED``.
 
-Load and health come from vLLM itself: :class:`SchedulerStatsSink` receives the scheduler's
-stats (running, waiting, KV cache usage) after every engine step through vLLM's stat-logger
-hook, and ``AsyncLLM.check_health`` says whether the engine core is alive.
+Load counts the registry (what is in flight here), split by vLLM's scheduler stats (running,
+waiting, KV cache usage), which :class:`SchedulerStatsSink` receives after every engine step
+through vLLM's stat-logger hook; ``AsyncLLM.check_health`` says whether the engine core is alive.
 """
 
 from __future__ import annotations
@@ -281,18 +281,32 @@ class VllmEngine:
             )
         return pb.HealthResponse(state=state, checks=checks)
 
+    def requests_load(self) -> tuple[int, int]:
+        """``(running, queued)``: the requests in flight here (accepted, terminal not sent), of
+        which as many as vLLM's scheduler last reported waiting are queued.
+
+        The registry is the count (the adapter is vLLM's only submitter): vLLM's stats arrive
+        only after an engine step, and they drop a request vLLM has finished while its events
+        still wait for a slow client (vLLM runs ahead of the stream), which Abort and Drain
+        still count; the stats only split the count."""
+        n = len(self.requests)
+        queued = min(self.stats.waiting, n)
+        return n - queued, queued
+
     def load(self, include_per_rank: bool, *, report_aborts: bool = False) -> pb.LoadInfo:
-        """``LoadInfo`` from vLLM's scheduler stats; the adapter's counters in ``attributes`` (a few
-        scalars, as a real engine sends: the sidecar polls this every second), plus the Aborts per
-        request id (up to 4,096) when ``report_aborts``."""
+        """``LoadInfo``: requests from :meth:`requests_load`, KV blocks from vLLM's scheduler
+        stats; the adapter's counters in ``attributes`` (a few scalars, as a real engine sends:
+        the sidecar polls this every second), plus the Aborts per request id (up to 4,096) when
+        ``report_aborts``."""
         stats = self.stats
+        running, queued = self.requests_load()
         total = self.discovery.total_kv_blocks
         used = min(total, round(stats.kv_cache_usage * total))
         info = pb.LoadInfo(
             instance_id=self.instance_id,
             timestamp_unix_nanos=time.time_ns(),
-            running_requests=stats.running,
-            queued_requests=stats.waiting,
+            running_requests=running,
+            queued_requests=queued,
             active_kv_sessions=0,
             used_kv_blocks=used,
             total_kv_blocks=total,
@@ -301,8 +315,8 @@ class VllmEngine:
             info.ranks = [
                 pb.RankLoadInfo(
                     data_parallel_rank=0,
-                    running_requests=stats.running,
-                    queued_requests=stats.waiting,
+                    running_requests=running,
+                    queued_requests=queued,
                     used_kv_blocks=used,
                     total_kv_blocks=total,
                 )
@@ -312,6 +326,8 @@ class VllmEngine:
             "in_flight": len(self.requests),
             "vllm_unfinished_requests": self.llm.get_num_unfinished_requests(),
             "vllm_stats_steps": stats.steps,
+            "vllm_running": stats.running,
+            "vllm_waiting": stats.waiting,
             "requests_accepted": c.requests_accepted,
             "outcomes": dict(c.outcomes),
             "rejected": dict(c.rejected),

@@ -171,6 +171,14 @@ class EventBuilder:
             events.append(self._finish(index, code, message, match))
         return events
 
+    def withdraw(self, events: list[pb.GenerateResponse]) -> None:
+        """``events`` were built but will not be sent (an Abort came first): as if never built."""
+        for event in events:
+            if event.token is not None:
+                self.completion_tokens[event.token.output_index or 0] -= len(event.token.tokens)
+            if event.finished is not None:
+                self.finished.discard(event.finished.output_index or 0)
+
     def cancel_rest(self, message: str) -> list[pb.GenerateResponse]:
         """``GenerationFinished{CANCELLED}`` for every unfinished output (Usage on the last)."""
         return [

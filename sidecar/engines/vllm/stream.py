@@ -3,8 +3,9 @@
 ``run_request(engine, active, send)`` ends the request with exactly one outcome:
 
 - completed: every output finished (the last ``GenerationFinished`` carries Usage);
-- aborted: an Abort (or a drain deadline) reached vLLM; vLLM ends the request with finish
-  reason ``abort`` and every unfinished output gets ``GenerationFinished{CANCELLED}``;
+- aborted: an Abort (or a drain deadline) came before the terminal: vLLM is told to abort the
+  request, nothing more is sent (not even outputs vLLM made before the Abort and the client has
+  not read yet), and every unfinished output gets ``GenerationFinished{CANCELLED}``;
 - cancelled: the client reset the stream (or the server shut down): the handler sees
   ``asyncio.CancelledError`` wherever it waits; vLLM is told to abort the request (a task
   that outlives the cancelled handler) and the error propagates;
@@ -68,8 +69,13 @@ async def run_request(engine: VllmEngine, active: Active, send: Send) -> None:
         trace_headers=plan.trace_headers or None,
     )
 
-    async def emit(events: list[pb.GenerateResponse]) -> None:
-        for event in events:
+    async def emit(events: list[pb.GenerateResponse], *, terminal: bool = False) -> None:
+        """Send ``events`` in order; once an Abort has come (and these are not its terminal
+        events), the rest are withdrawn from ``builder`` unsent."""
+        for i, event in enumerate(events):
+            if active.abort_reason is not None and not terminal:
+                builder.withdraw(events[i:])
+                return
             try:
                 await send(event)
             except asyncio.CancelledError:
@@ -82,11 +88,17 @@ async def run_request(engine: VllmEngine, active: Active, send: Send) -> None:
     try:
         try:
             async for out in outputs:
+                if active.abort_reason is not None:
+                    # Aborted: nothing more is sent, not even what vLLM made before the Abort
+                    # (it may have finished the request while its events still waited for the
+                    # client); vLLM is told again in case the Abort came before it knew the request
+                    if not out.finished:
+                        await llm.abort(plan.request_id)
+                    break
                 await emit(builder.on_output(out))
-                if active.abort_reason is not None and not out.finished:
-                    await llm.abort(plan.request_id)  # the Abort came before vLLM knew the request
             if not builder.done:
-                await emit(builder.cancel_rest(f"aborted ({active.abort_reason or 'by the engine'})"))
+                reason = active.abort_reason or "by the engine"
+                await emit(builder.cancel_rest(f"aborted ({reason})"), terminal=True)
             outcome = ABORTED if active.abort_reason is not None else COMPLETED
         except (asyncio.CancelledError, GeneratorExit):
             outcome = CANCELLED
@@ -95,7 +107,7 @@ async def run_request(engine: VllmEngine, active: Active, send: Send) -> None:
             log.info("request %s: client gone while sending (%s)", plan.request_id, gone)
             outcome = CANCELLED
         except EngineFailure as err:
-            await emit([builder.error(pb.ErrorCode.INTERNAL, str(err), retryable=True)])
+            await emit([builder.error(pb.ErrorCode.INTERNAL, str(err), retryable=True)], terminal=True)
         except Exception as err:
             refusal = _refusal(err.__cause__ or err)
             if not active.first_event and refusal is not None:
@@ -103,7 +115,9 @@ async def run_request(engine: VllmEngine, active: Active, send: Send) -> None:
                 raise refusal from None
             log.exception("request %s failed inside vLLM", plan.request_id)
             if not builder.done:
-                await emit([builder.error(pb.ErrorCode.INTERNAL, f"vLLM: {err}", retryable=True)])
+                await emit(
+                    [builder.error(pb.ErrorCode.INTERNAL, f"vLLM: {err}", retryable=True)], terminal=True
+                )
     finally:
         if outcome == CANCELLED or not builder.done:
             engine.spawn(llm.abort(plan.request_id))  # idempotent; survives the cancelled handler

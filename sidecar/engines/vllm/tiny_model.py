@@ -7,7 +7,7 @@ directory is built once per path: :func:`build_tiny_model` reuses a complete one
 the spec) and builds into a temporary sibling that is renamed into place.
 
 Shape: 2 layers, hidden 64, 2 heads of ``head_dim`` 32 (vLLM's CPU attention needs head sizes
-32-512), float32, context 2048, a vocabulary of 2048 (so the token ids 1000-1999 that clients such
+32-512), float32, context 8192, a vocabulary of 2048 (so the token ids 1000-1999 that clients such
 as the conformance suite draw are real tokens). About 1.5 MB; builds in seconds.
 
 ``python -m sidecar.engines.vllm.tiny_model DIR`` builds one (needs the ``vllm`` extra:
@@ -44,7 +44,7 @@ class TinyModelSpec:
     num_layers: int = 2
     num_heads: int = 2
     head_dim: int = 32
-    context_length: int = 2048
+    context_length: int = 8192  # room for the conformance suite's 4,096-token "long" request
     version: int = 1  # bump when the builder's output changes
 
     def digest(self) -> str:
