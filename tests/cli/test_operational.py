@@ -44,27 +44,32 @@ def _held_port() -> socket.socket:
     return held
 
 
-@pytest.mark.parametrize("flag", ["--listen", "--http-listen"])
+LISTENERS = {
+    "--listen": "127.0.0.1:{port}",
+    "--http-listen": "127.0.0.1:{port}",
+    "--kv-publish": "tcp://127.0.0.1:{port}",
+    "--kv-replay": "tcp://127.0.0.1:{port}",
+}
+
+
+@pytest.mark.parametrize("flag", list(LISTENERS))
 async def test_port_in_use_is_one_line_and_never_ready(aio_loop: Any, tmp_path: Path, flag: str) -> None:
+    """Every listener of ``run``; "ready" is logged only once all of them are bound."""
     with _held_port() as held, trio.fail_after(60):
         port = held.getsockname()[1]
         async with mock_engine(tmp_path) as engine:
-            args = [
-                "run",
-                "--engine",
-                engine.address,
-                "--listen",
-                "127.0.0.1:0",
-                "--http-listen",
-                "127.0.0.1:0",
-            ]
-            args[args.index(flag) + 1] = f"127.0.0.1:{port}"
-            done = await cli(*args, "--no-kv-events")
+            listeners = {f: a.format(port=0) for f, a in LISTENERS.items()}
+            listeners[flag] = LISTENERS[flag].format(port=port)
+            done = await cli("run", "--engine", engine.address, *(x for kv in listeners.items() for x in kv))
     assert done.code == 1, done.err
     last = done.err_lines[-1]
-    assert last == f"openengine-sidecar: {flag} 127.0.0.1:{port}: cannot listen: Address already in use", (
-        done.err
-    )
+    if flag.startswith("--kv-"):
+        assert last.startswith("openengine-sidecar: ") and f"tcp://127.0.0.1:{port}" in last, done.err
+        assert "Address already in use" in last, done.err
+    else:
+        assert (
+            last == f"openengine-sidecar: {flag} 127.0.0.1:{port}: cannot listen: Address already in use"
+        ), done.err
     assert "ready: serving" not in done.err, done.err
 
 
