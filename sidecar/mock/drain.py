@@ -78,7 +78,8 @@ async def drain(engine: MockEngine, request: pb.DrainRequest) -> AsyncIterator[p
         engine.changed.clear()
         timeout = _HEARTBEAT if deadline is None else max(0.0, min(_HEARTBEAT, deadline - now))
         try:
-            await asyncio.wait_for(engine.changed.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await engine.changed.wait()
         except TimeoutError:
             pass
         current = (engine.in_flight, engine.open_sessions)

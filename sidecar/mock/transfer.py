@@ -324,7 +324,8 @@ class KvTransferServer:
         room.prefill = "waiting"
         try:
             try:
-                await asyncio.wait_for(asyncio.shield(room.registered), timeout)
+                async with asyncio.timeout(timeout):
+                    await asyncio.shield(room.registered)
             except TimeoutError:
                 raise KvTransferFailed(
                     f"no decode registered for bootstrap room {room_id} within {timeout:g}s"
@@ -333,7 +334,8 @@ class KvTransferServer:
                 raise KvTransferFailed(f"bootstrap room {room_id} was aborted")
             room.payload.set_result(payload)
             try:
-                await asyncio.wait_for(asyncio.shield(room.delivered), timeout)
+                async with asyncio.timeout(timeout):
+                    await asyncio.shield(room.delivered)
             except TimeoutError:
                 raise KvTransferFailed(f"bootstrap room {room_id}: delivery to decode timed out") from None
         finally:
@@ -368,7 +370,8 @@ class KvTransferServer:
         self._handlers.add(task)
         try:
             try:
-                req = await asyncio.wait_for(_read(reader), _REQUEST_TIMEOUT)
+                async with asyncio.timeout(_REQUEST_TIMEOUT):
+                    req = await _read(reader)
             except (TimeoutError, ValueError, asyncio.IncompleteReadError, msgspec.DecodeError) as err:
                 logger.warning("KV transfer: bad request: %r", err)
                 return
@@ -413,7 +416,8 @@ class KvTransferServer:
             if not room.registered.done():
                 room.registered.set_result(None)
             try:
-                payload = await asyncio.wait_for(asyncio.shield(room.payload), self.bootstrap_timeout)
+                async with asyncio.timeout(self.bootstrap_timeout):
+                    payload = await asyncio.shield(room.payload)
             except TimeoutError:
                 await _write(
                     writer,
