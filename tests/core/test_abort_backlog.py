@@ -16,7 +16,7 @@ from sidecar.core.lifecycle import LifecycleConfig, StreamSupervisor
 from sidecar.metrics import REGISTRY
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
-from tests.openengine.fake_engine import Gate, RunningServer, Status, status
+from tests.openengine.fake_grpc_engine import Gate, RunningServer, Status, status
 from tests.polling import eventually
 
 

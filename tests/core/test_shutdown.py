@@ -141,6 +141,7 @@ async def test_engine_watch_loses_and_regains_the_engine(autojump_clock: Any) ->
         await changed.wait()
         assert trio.current_time() - t0 == pytest.approx(0.5 + 5 + 1 + 5)  # next tick, timeout, tick, timeout
         assert sidecar.not_ready_reason() == "engine unreachable: no answer in time"
+        assert client.calls.count("ProbeLiveness") == 1  # PINGs sent at the first slow answer only
         # refused: still lost; back: rediscovered and ready at the next reconnect attempt
         state["mode"] = "down"
         await trio.sleep(5)
