@@ -8,7 +8,9 @@ asyncio programs built on the generated grpclib bases through
 Concurrency: asyncio's structured forms (Python 3.11) — ``asyncio.TaskGroup`` for tasks
 that live together (the engine's holders of leaked requests in :meth:`.engine.MockEngine.serving`,
 an Abort racing a KV handoff in :mod:`.runner`, the ZMQ publishers), ``asyncio.timeout``
-for bounded waits (a request's pause is :meth:`.engine.Request.wait_woken`). asyncio, not
+for bounded waits; a request waits in one place, :meth:`.engine.Request.wait_woken` (a pause
+that an Abort or a free slot ends early; a timer handle like ``asyncio.sleep``'s, measured
+cheaper per token than ``asyncio.timeout``). asyncio, not
 trio, because the engine is served by grpclib (:mod:`sidecar.openengine.server`), an asyncio
 library, as a real engine's server is: its handlers are asyncio tasks, and trio would put a
 trio_asyncio hop on every event the engine sends. Left as they are, each for its reason:

@@ -94,15 +94,24 @@ class Request:
 
     async def wait_woken(self, seconds: float | None = None) -> None:
         """Wait until :meth:`wake` or ``seconds`` passed (``None``: no bound); one waiter at a
-        time. (A bare future, not an ``asyncio.Event``: this is the per-token pause.)"""
-        self._woken = woken = asyncio.get_running_loop().create_future()
+        time. This is the per-token pause, so it is built as ``asyncio.sleep`` itself is (a
+        future and a timer handle), plus the early wake: ``asyncio.timeout`` (which ends the
+        wait by cancelling the task) measured 7-14 % more engine CPU per paced token (32 streams
+        x 400 tokens, medians of six rounds)."""
+        loop = asyncio.get_running_loop()
+        self._woken = woken = loop.create_future()
+        timer = None if seconds is None else loop.call_later(seconds, _resolve, woken)
         try:
-            async with asyncio.timeout(seconds):
-                await woken
-        except TimeoutError:
-            pass
+            await woken
         finally:
+            if timer is not None:
+                timer.cancel()
             self._woken = None
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def _recent_entry(
