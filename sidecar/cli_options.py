@@ -13,7 +13,7 @@ Environment variables: every long flag also reads a variable, one name per meani
 
 Parameter types validate at parse time, so a bad value exits 2 with one line naming the flag
 (``sidecar.cli``) before anything starts: :data:`SECONDS` / :data:`SECONDS_OR_ZERO`,
-:class:`ListenAddress`, :class:`EngineAddressType`, :class:`NewFile` (its directory must
+:class:`ListenAddressType`, :class:`EngineAddressType`, :class:`NewFile` (its directory must
 exist), and :func:`read_token` for token files.
 """
 
@@ -26,6 +26,7 @@ from typing import Any
 
 import click
 
+from sidecar.addresses import parse_listen
 from sidecar.cli_common import ENV_PREFIX, Option
 
 #: Per-subcommand infix of the environment variables (``run``'s flags have none).
@@ -100,45 +101,10 @@ COUNT = click.IntRange(min=1)
 # --------------------------------------------------------------------------- addresses
 
 
-def split_host_port(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` (IPv6 in brackets) -> (host, port); ``ValueError`` naming what is wrong.
-    Port 0 asks the system for any free port; a host left out is loopback, never all interfaces."""
-    host, sep, port = text.rpartition(":")
-    if not sep:
-        raise ValueError(f"{text!r}: expected HOST:PORT (IPv6 as [ADDR]:PORT)")
-    if not host:
-        return "127.0.0.1", _port(text, port)
-    return _host(text, host), _port(text, port)
-
-
-def _port(text: str, port: str) -> int:
-    if not port.isdigit():
-        raise ValueError(f"{text!r}: the port must be a number")
-    number = int(port)
-    if number > 65535:
-        raise ValueError(f"{text!r}: port {number} is not in 1-65535 (0: any free port)")
-    return number
-
-
-def _host(text: str, host: str) -> str:
-    if host.startswith("["):
-        if not host.endswith("]") or len(host) < 3:
-            raise ValueError(f"{text!r}: expected [IPv6]:PORT")
-        return host[1:-1]
-    if ":" in host:
-        raise ValueError(f"{text!r}: write an IPv6 address in brackets, [ADDR]:PORT")
-    return host
-
-
-def join_host_port(host: str, port: int) -> str:
-    """``host:port``, an IPv6 host in brackets."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-class ListenAddress(click.ParamType):
-    """A listener's ``HOST:PORT`` (port 0: any free port); ``unix_ok`` also takes ``unix:///PATH``.
-
-    The value stays the text given (validated)."""
+class ListenAddressType(click.ParamType):
+    """A listener's ``HOST:PORT`` (port 0: any free port); ``unix_ok`` also takes ``unix:///PATH``
+    (its directory must exist). Parsed by :func:`sidecar.addresses.parse_listen`, the servers'
+    own parser. The value stays the text given (validated)."""
 
     name = "host:port"
 
@@ -149,20 +115,16 @@ class ListenAddress(click.ParamType):
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         text = str(value).strip()
-        if self.unix_ok and text.startswith("unix:"):
-            path = text[len("unix://") :] if text.startswith("unix://") else text[len("unix:") :]
-            if not path.startswith("/"):
-                self.fail(f"{text!r}: expected unix:///ABSOLUTE/PATH", param, ctx)
-            if not os.path.isdir(os.path.dirname(path)):
-                self.fail(f"{text!r}: directory {os.path.dirname(path)!r} does not exist", param, ctx)
-            return text
-        if "://" in text:
+        unix = text.startswith("unix:")
+        if (unix and not self.unix_ok) or ("://" in text and not unix):
             forms = "HOST:PORT or unix:///PATH" if self.unix_ok else "HOST:PORT"
             self.fail(f"{text!r}: expected {forms}", param, ctx)
         try:
-            split_host_port(text)
+            address = parse_listen(text)
         except ValueError as err:
             self.fail(str(err), param, ctx)
+        if address.path is not None and not os.path.isdir(os.path.dirname(address.path)):
+            self.fail(f"{text!r}: directory {os.path.dirname(address.path)!r} does not exist", param, ctx)
         return text
 
 

@@ -6,6 +6,8 @@ crossed. Two things are done with such groups here, and only here:
 
 - :func:`lone_exception` names the one exception a group stands for, for callers that
   report or translate it (a CLI's one-line error, a check's verdict);
+- :func:`first_leaf` picks the first concrete exception of any group, for callers that
+  describe a failure by one example (a connection error's cause, a log line);
 - :func:`open_background_nursery` re-raises that one exception unwrapped, for context
   managers whose helper tasks never raise, so that their caller's ``async with`` body keeps
   its own exceptions (``except ValueError`` still works around it).
@@ -18,7 +20,7 @@ from contextlib import asynccontextmanager
 
 import trio
 
-__all__ = ["lone_exception", "open_background_nursery"]
+__all__ = ["first_leaf", "lone_exception", "open_background_nursery"]
 
 
 def lone_exception(exc: BaseException) -> BaseException:
@@ -26,6 +28,15 @@ def lone_exception(exc: BaseException) -> BaseException:
     level of nesting), the innermost one; ``exc`` itself when it is not a group, or when some
     level holds several (then no single exception is meant, and the group is the answer)."""
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def first_leaf(exc: BaseException) -> BaseException:
+    """The first member at every level of nesting: the first non-group exception of ``exc``
+    (``exc`` itself when it is not a group). Unlike :func:`lone_exception` this answers for
+    groups of several too, by example: use it to describe a failure, never to decide one."""
+    while isinstance(exc, BaseExceptionGroup):
         exc = exc.exceptions[0]
     return exc
 

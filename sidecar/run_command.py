@@ -40,18 +40,17 @@ import trio
 import trio_asyncio
 
 from sidecar import sdnotify
+from sidecar.addresses import join_host_port, split_host_port
 from sidecar.cli_options import (
     ENGINE_ADDRESS,
     EXISTING_FILE,
     SECONDS,
     SECONDS_OR_ZERO,
-    ListenAddress,
+    ListenAddressType,
     NewFile,
     absolute_path,
-    join_host_port,
     option,
     read_token,
-    split_host_port,
 )
 from sidecar.core.lifecycle import LifecycleConfig
 from sidecar.core.schema_options import schema_options
@@ -299,14 +298,14 @@ async def _watchdog(interval: float) -> None:
 )
 @option(
     "--listen",
-    type=ListenAddress(),
+    type=ListenAddressType(),
     default="127.0.0.1:8600",
     show_default=True,
     help="WebSocket listener (north protocol), HOST:PORT (port 0: any free port).",
 )
 @option(
     "--http-listen",
-    type=ListenAddress(),
+    type=ListenAddressType(),
     default="127.0.0.1:8601",
     show_default=True,
     help="HTTP listener: health, ready, metrics, worker card, load.",

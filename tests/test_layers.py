@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent / "sidecar"
 #: top-level module or package under sidecar/ -> rank; imports must point to a lower rank.
 RANK: dict[str, int] = {
     "nursery": 0,
+    "addresses": 0,
     "metrics": 0,
     "logs": 0,
     "cli_common": 1,

@@ -26,6 +26,7 @@ import trio
 from sidecar.bench import procs, stats
 from sidecar.bench.scenarios import Bench
 from sidecar.childproc import ENGINE_READY, ChildLineTimeout
+from sidecar.nursery import first_leaf
 
 MODEL = "tiny-llama"
 START_TIMEOUT = 600.0
@@ -90,11 +91,6 @@ def _merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _leaf(group: BaseExceptionGroup[procs.BenchError]) -> procs.BenchError:
-    first = group.exceptions[0]
-    return _leaf(first) if isinstance(first, BaseExceptionGroup) else first
-
-
 async def vllm(b: Bench) -> dict[str, Any]:
     """The scenario; a failure is one :class:`~sidecar.bench.procs.BenchError` (not a group: the
     engine and the sidecar run in nurseries), so the run records it and goes on."""
@@ -106,7 +102,7 @@ async def vllm(b: Bench) -> dict[str, Any]:
         failed, rest = group.split(procs.BenchError)
         if failed is None or rest is not None:
             raise
-        raise _leaf(failed) from None
+        raise first_leaf(failed) from None
 
 
 async def _round(b: Bench, sc: procs.Sidecar, address: str, pids: dict[str, int], r: int) -> dict[str, Any]:

@@ -46,7 +46,7 @@ from trio_websocket import (
 from sidecar.north import codec, wire
 from sidecar.north.codec import Encoding
 from sidecar.north.pbjson import message_to_json
-from sidecar.nursery import open_background_nursery
+from sidecar.nursery import first_leaf, open_background_nursery
 
 __all__ = [
     "DEFAULT_PATH",
@@ -507,8 +507,8 @@ def _root_cause(err: BaseException) -> BaseException:
     seen: set[int] = set()
     while id(err) not in seen:
         seen.add(id(err))
-        if isinstance(err, BaseExceptionGroup) and err.exceptions:
-            err = err.exceptions[0]
+        if isinstance(err, BaseExceptionGroup):
+            err = first_leaf(err)
         elif err.__cause__ is not None:
             err = err.__cause__
         else:

@@ -31,30 +31,30 @@ Role rules (which role needs a session at all) live in ``admission.py``.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 from sidecar.core.card import KvConnectorCard, WorkerCard
-from sidecar.core.errors import Rejection, invalid_argument, unsupported
+from sidecar.core.errors import invalid_argument, unsupported
 from sidecar.openengine import pb
-from sidecar.openengine.rawfields import WireError, length_delimited, parse_strict
+from sidecar.openengine._betterproto2_internals import set_unknown_fields
+from sidecar.openengine.rawfields import length_delimited, parse_strict
 from sidecar.quoting import quote
 
 __all__ = [
     "KNOWN_HANDOFF_PROFILES",
-    "MAX_SESSION_BYTES",
     "KvSessionRelease",
     "abort_kv_session_bytes",
     "check_bootstrap",
     "check_decode_session",
     "check_prefill_session",
     "parse_kv_session",
+    "splice_kv_session",
 ]
 
 KNOWN_HANDOFF_PROFILES = frozenset(
     {"vllm.kv_transfer_params.v1", "tensorrt_llm.disaggregated_params.v1", "sglang.bootstrap.v1"}
 )
-#: Upper bound for ``kvSessionBytes`` (a handoff carries block ids; generous but bounded).
-MAX_SESSION_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(slots=True, frozen=True)
@@ -73,22 +73,31 @@ def abort_kv_session_bytes(raw: bytes) -> bytes:
     return length_delimited(2, raw)  # field 2: kv_session
 
 
-def parse_kv_session(data: bytes) -> pb.KvSessionRef:
-    """Parse ``kvSessionBytes``; ``INVALID_ARGUMENT`` if empty, too large or not a ``KvSessionRef``.
+def parse_kv_session(raw: bytes) -> pb.KvSessionRef:
+    """Check ``raw`` is a well-formed ``KvSessionRef`` (framing, known fields' wire types, UTF-8
+    strings) and return its parsed form (for the envelope checks). Unknown fields are kept, so
+    ``bytes(result)`` carries them on. Raises ``WireError`` (a ``ValueError``): betterproto2's own
+    parser accepts malformed input silently. Empty and oversized bytes are the caller's to refuse
+    (each plane bounds what its clients send)."""
+    return parse_strict(pb.KvSessionRef, raw)
 
-    The bytes are first checked strictly against the protobuf wire format (the parser
-    itself is lenient). Unknown fields are kept, so ``bytes(result)`` carries them on.
+
+def splice_kv_session(request: pb.GenerateRequest, raw: bytes) -> pb.GenerateRequest:
+    """A shallow copy of ``request`` whose ``kv.session`` is ``raw``, byte for byte.
+
+    The decode engine must receive the prefill engine's ``KvSessionRef`` exactly as produced --
+    field order, unknown fields (a newer schema revision) and all; re-serializing a parsed copy
+    would not guarantee that. The bytes become field 1 (``session``) of ``KvOptions``, held in
+    that message's unknown-field buffer: ``bytes()`` emits them untouched after the other
+    ``KvOptions`` fields, as a single occurrence of the field (no reliance on protobuf's merging
+    of repeated message fields). ``request`` itself is not modified.
     """
-    if not data:
-        invalid_argument("kvSessionBytes is empty")
-    if len(data) > MAX_SESSION_BYTES:
-        invalid_argument(f"kvSessionBytes is larger than {MAX_SESSION_BYTES} bytes")
-    try:
-        return parse_strict(pb.KvSessionRef, data)
-    except WireError as err:
-        raise Rejection(
-            pb.ErrorCode.INVALID_ARGUMENT, f"kvSessionBytes is not a KvSessionRef ({err})"
-        ) from err
+    out = copy.copy(request)
+    kv = copy.copy(request.kv) if request.kv is not None else pb.KvOptions()
+    kv.session = None
+    set_unknown_fields(kv, length_delimited(1, raw))  # field 1 (session)
+    out.kv = kv
+    return out
 
 
 def check_bootstrap(bootstrap: pb.KvBootstrap) -> None:

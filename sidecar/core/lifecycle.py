@@ -22,6 +22,7 @@ This module is the sidecar's cancellation contract (docs/LIFECYCLE.md):
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 import random
@@ -411,18 +412,10 @@ class StreamSupervisor:
                 return True  # dropped, delivered by another round, or being sent now
             self._probing.add(request_id)
             try:
-                with trio.move_on_after(self.config.abort_timeout):
-                    try:
-                        result = await self._abort_once(request_id)
-                    except _RetryableAbort:
-                        return False
-                    except EngineClientError as err:
-                        log.warning("abort of %s failed: %s", quote(request_id), err)
-                        result = "failed"
-                    metrics.child(metrics.ABORTS, result).inc()
-                    self.backlog.discard(request_id)
-                    return True
-                return False
+                if await self._attempt(request_id) is not _Try.DONE:
+                    return False
+                self.backlog.discard(request_id)
+                return True
             finally:
                 self._probing.discard(request_id)
                 if request_id not in self.backlog:  # done with, or dropped while it was sent
@@ -440,21 +433,27 @@ class StreamSupervisor:
             if not slot:
                 return True, False, True
             try:
-                with trio.move_on_after(self.config.abort_timeout):
-                    try:
-                        metrics.child(metrics.ABORTS, await self._abort_once(request_id)).inc()
-                        return False, True, False
-                    except _RetryableAbort as err:
-                        return True, True, not err.answered
-                    except EngineClientError as err:
-                        metrics.child(metrics.ABORTS, "failed").inc()
-                        log.warning("abort of %s failed: %s", quote(request_id), err)
-                        return False, True, False
+                result = await self._attempt(request_id)
             finally:
                 self._abort_slots.release()
-            return True, True, True
+            return result is not _Try.DONE, True, result is _Try.NO_ANSWER
         finally:
             answered.set()
+
+    async def _attempt(self, request_id: str) -> _Try:
+        """One Abort call within ``abort_timeout`` (the caller holds a slot); once it is over,
+        counted in ``aborts_total`` by its result. :class:`_Try` says what came of it."""
+        with trio.move_on_after(self.config.abort_timeout):
+            try:
+                metrics.child(metrics.ABORTS, await self._abort_once(request_id)).inc()
+                return _Try.DONE
+            except _RetryableAbort as err:
+                return _Try.REFUSED if err.answered else _Try.NO_ANSWER
+            except EngineClientError as err:
+                metrics.child(metrics.ABORTS, "failed").inc()
+                log.warning("abort of %s failed: %s", quote(request_id), err)
+                return _Try.DONE
+        return _Try.NO_ANSWER
 
     async def _abort_once(self, request_id: str) -> str:
         try:
@@ -500,19 +499,11 @@ class StreamSupervisor:
                 delay = min(delay * 2, 2.0)
                 metrics.ABORT_RETRIES.inc()
             attempted = True
-            unreachable = True  # unless an answer comes back
             async with self._abort_slots:
-                with trio.move_on_after(self.config.abort_timeout):
-                    try:
-                        metrics.child(metrics.ABORTS, await self._abort_once(request_id)).inc()
-                        return False
-                    except _RetryableAbort as err:
-                        unreachable = not err.answered
-                        continue
-                    except EngineClientError as err:
-                        log.warning("abort of %s failed: %s", quote(request_id), err)
-                        metrics.child(metrics.ABORTS, "failed").inc()
-                        return False
+                result = await self._attempt(request_id)
+            if result is _Try.DONE:
+                return False
+            unreachable = result is _Try.NO_ANSWER
         if self.backlog.cap and unreachable:
             log.info(
                 "abort of %s undelivered after %.0fs; kept to be re-sent when the engine answers",
@@ -524,6 +515,17 @@ class StreamSupervisor:
         metrics.child(metrics.ABORTS, "failed").inc()
         log.warning("abort of %s gave up after %.0fs", quote(request_id), self.config.abort_retry_window)
         return False
+
+
+class _Try(enum.Enum):
+    """What came of one Abort call (:meth:`StreamSupervisor._attempt`)."""
+
+    #: Answered (aborted, not found, already finished), or failed for good (logged).
+    DONE = "done"
+    #: The engine answered with a retryable refusal: it is there.
+    REFUSED = "refused"
+    #: No connection, or nothing back within ``abort_timeout``.
+    NO_ANSWER = "no_answer"
 
 
 class _RetryableAbort(Exception):

@@ -44,10 +44,10 @@ from typing import Any
 
 from sidecar.core.card import ROLE_DECODE, ROLE_PREFILL, MultimodalCard, WorkerCard
 from sidecar.core.errors import Rejection, invalid_argument
+from sidecar.core.handoff import parse_kv_session, splice_kv_session
 from sidecar.core.lifecycle import CANCELLED, FAILED, Outcome
 from sidecar.core.metadata import PRIORITY, TARGET_DP_RANK
 from sidecar.dynamo.media import media_request
-from sidecar.north.kvsession import parse_kv_session, splice_kv_session
 from sidecar.openengine import pb
 
 __all__ = [

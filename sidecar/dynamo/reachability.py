@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import trio
 
 from sidecar.dynamo.config import DynamoConfig
+from sidecar.nursery import first_leaf
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +101,8 @@ def _reason(err: BaseException) -> str:
     """The first concrete cause of a failed connection (trio wraps one error per address)."""
     cause: BaseException | None = err
     while cause is not None:
-        if isinstance(cause, BaseExceptionGroup) and cause.exceptions:
-            cause = cause.exceptions[0]
+        if isinstance(cause, BaseExceptionGroup):
+            cause = first_leaf(cause)
         elif isinstance(cause, OSError) and (cause.errno or cause.strerror):
             return (os.strerror(cause.errno) if cause.errno else str(cause.strerror)).lower()
         else:

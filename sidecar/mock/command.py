@@ -24,7 +24,7 @@ from typing import Any
 
 import click
 
-from sidecar.cli_options import COUNT, ListenAddress, NewFile, command_option, env_name
+from sidecar.cli_options import COUNT, ListenAddressType, NewFile, command_option, env_name
 from sidecar.mock.app import ServingInfo, serve_engine
 from sidecar.mock.config import FLAVORS, ROLES, SCHEMA_NAMES, EngineConfig
 from sidecar.mock.faults import FaultSpecError, parse_faults
@@ -66,7 +66,7 @@ def write_ready(path: str, info: ServingInfo) -> None:
 )
 @_opt(
     "--listen",
-    type=ListenAddress(unix_ok=True),
+    type=ListenAddressType(unix_ok=True),
     default="127.0.0.1:50051",
     show_default=True,
     help="HOST:PORT (port 0 = any) or unix:///PATH.",

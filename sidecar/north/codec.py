@@ -23,9 +23,8 @@ import betterproto2
 import msgspec
 
 from sidecar.core import int64
-from sidecar.core.handoff import KvSessionRelease
+from sidecar.core.handoff import KvSessionRelease, parse_kv_session, splice_kv_session
 from sidecar.north import wire
-from sidecar.north.kvsession import parse_kv_session, splice_kv_session
 from sidecar.north.pbjson import PbJsonError, decode_base64, message_from_json, message_to_json
 from sidecar.openengine import pb
 from sidecar.quoting import clip
@@ -301,7 +300,7 @@ def engine_request(cmd: GenerateCommand) -> pb.GenerateRequest:
     ``request_id``).
 
     Without ``kv_session_bytes`` this is ``cmd.request`` itself. With them, a copy whose
-    ``kv.session`` is the client's bytes verbatim (``kvsession.splice_kv_session``), not a
+    ``kv.session`` is the client's bytes verbatim (``sidecar.core.handoff.splice_kv_session``), not a
     re-serialization of the parsed ``request.kv.session``.
     """
     if cmd.kv_session_bytes is None:

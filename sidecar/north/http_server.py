@@ -46,6 +46,7 @@ from hypercorn.utils import wrap_app
 from sidecar.core.metrics import HTTP_FAILURES
 from sidecar.north.http_connections import HttpConnections
 from sidecar.north.peers import peer_of
+from sidecar.nursery import first_leaf
 from sidecar.quoting import clip
 
 log = logging.getLogger(__name__)
@@ -166,8 +167,7 @@ def _limit_headers(app: Any, max_bytes: int) -> Any:
 
 def _describe(exc: BaseException) -> str:
     """``Type: message`` of the first leaf of a (possibly nested) exception group."""
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
+    exc = first_leaf(exc)
     return f"{type(exc).__name__}: {clip(str(exc), 200)}"
 
 

@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from sidecar.addresses import SocketAddress
 from sidecar.openengine.errors import EngineConfigError
 
-
-@dataclass(frozen=True)
-class EngineAddress:
-    """Where the engine's gRPC server listens: TCP ``host``/``port`` or a Unix socket ``path``."""
-
-    host: str | None = None
-    port: int | None = None
-    path: str | None = None
-
-    def __str__(self) -> str:
-        if self.path is not None:
-            return f"unix://{self.path}"
-        host = f"[{self.host}]" if self.host and ":" in self.host else self.host
-        return f"{host}:{self.port}"
+#: Where the engine's gRPC server listens: TCP ``host``/``port`` or a Unix socket ``path``.
+EngineAddress = SocketAddress
 
 
 def parse_engine_address(text: str) -> EngineAddress:

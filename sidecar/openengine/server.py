@@ -48,6 +48,7 @@ import grpclib.server
 from grpclib.encoding.proto import ProtoCodec
 from grpclib.exceptions import GRPCError
 
+from sidecar.addresses import ListenAddress, parse_listen
 from sidecar.openengine import pb
 from sidecar.openengine._grpclib_internals import server_port
 from sidecar.openengine.rawfields import WireError, nested_field_bytes
@@ -211,43 +212,6 @@ class _Wrapped:
                 func = _server_stream(self._service, name.rsplit("/", 1)[-1])
             out[name] = grpclib.const.Handler(_wrap(name, func), h.cardinality, h.request_type, h.reply_type)
         return out
-
-
-@dataclass(frozen=True)
-class ListenAddress:
-    """A parsed ``--listen`` value: TCP ``host:port`` or a unix socket path."""
-
-    host: str | None = None
-    port: int | None = None
-    path: str | None = None
-
-    def __str__(self) -> str:
-        if self.path is not None:
-            return f"unix://{self.path}"
-        host = self.host or "127.0.0.1"
-        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
-
-
-def parse_listen(value: str) -> ListenAddress:
-    """Parse ``HOST:PORT``, ``[V6]:PORT``, ``:PORT`` or ``unix:///abs/path``.
-
-    Raises ValueError for anything else.
-    """
-    if value.startswith("unix://"):
-        path = value[len("unix://") :]
-        if not path.startswith("/"):
-            raise ValueError(f"unix socket path must be absolute: {value!r}")
-        return ListenAddress(path=path)
-    if value.startswith("unix:"):
-        raise ValueError(f"use unix:///absolute/path, not {value!r}")
-    host, sep, port_s = value.rpartition(":")
-    if not sep or not port_s.isdigit():
-        raise ValueError(f"expected HOST:PORT or unix:///PATH, got {value!r}")
-    port = int(port_s)
-    if port > 65535:
-        raise ValueError(f"port out of range in {value!r}")
-    host = host.strip("[]") or "127.0.0.1"
-    return ListenAddress(host=host, port=port)
 
 
 class RunningServer:

@@ -6,13 +6,13 @@ import pytest
 
 from sidecar.core.errors import Rejection
 from sidecar.core.handoff import (
-    MAX_SESSION_BYTES,
     check_bootstrap,
     check_decode_session,
     check_prefill_session,
     parse_kv_session,
 )
 from sidecar.openengine import pb
+from sidecar.openengine.rawfields import WireError
 
 from .shapes import SGLANG_BOOTSTRAP, R, card_of, sglang_card, sglang_info, trtllm_card, vllm_card
 
@@ -51,24 +51,21 @@ def test_parse_kv_session_keeps_unknown_fields() -> None:
 
 
 @pytest.mark.parametrize(
-    ("data", "fragment"),
+    "data",
     [
-        (b"", "empty"),
-        (b"\xff\xff\xff", "not a KvSessionRef"),
-        (b"\x0a\x10abc", "not a KvSessionRef"),  # truncated length-delimited field
-        (b"\x0b", "not a KvSessionRef"),  # group wire type
-        (b"\x00\x00", "not a KvSessionRef"),  # field number 0
-        (b"\x3a\x02\x0a\x05", "not a KvSessionRef"),  # bootstrap with a truncated endpoint
-        (b"\x3a\x02\xff\xff", "not a KvSessionRef"),  # bootstrap with a truncated varint
-        (b"\x0a\x02\xff\xfe", "not a KvSessionRef"),  # session_id not UTF-8
-        (b"\x21\x00", "not a KvSessionRef"),  # truncated fixed64
-        (b"\x00" * (MAX_SESSION_BYTES + 1), "larger than"),
+        b"\xff\xff\xff",
+        b"\x0a\x10abc",  # truncated length-delimited field
+        b"\x0b",  # group wire type
+        b"\x00\x00",  # field number 0
+        b"\x3a\x02\x0a\x05",  # bootstrap with a truncated endpoint
+        b"\x3a\x02\xff\xff",  # bootstrap with a truncated varint
+        b"\x0a\x02\xff\xfe",  # session_id not UTF-8
+        b"\x21\x00",  # truncated fixed64
     ],
 )
-def test_parse_kv_session_rejects(data: bytes, fragment: str) -> None:
-    with pytest.raises(Rejection, match=fragment) as exc:
+def test_parse_kv_session_rejects(data: bytes) -> None:
+    with pytest.raises(WireError):
         parse_kv_session(data)
-    assert exc.value.code == E.INVALID_ARGUMENT
 
 
 # (case id, card, session, target rank, expected code or None, message fragment)

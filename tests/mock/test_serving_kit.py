@@ -11,15 +11,14 @@ import pytest
 import trio
 import trio_asyncio
 
+from sidecar.addresses import ListenAddress, parse_listen
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
 from sidecar.openengine.errors import EngineStatusError
 from sidecar.openengine.server import (
-    ListenAddress,
     PreEncoded,
     RpcStatusError,
     open_server,
-    parse_listen,
     request_context,
     request_metadata,
 )
@@ -31,7 +30,7 @@ def test_parse_listen() -> None:
     assert parse_listen("[::1]:5") == ListenAddress(host="::1", port=5)
     assert parse_listen("unix:///tmp/x.sock") == ListenAddress(path="/tmp/x.sock")
     assert str(ListenAddress(host="::1", port=5)) == "[::1]:5"
-    for bad in ("unix://rel.sock", "unix:/x", "host", "h:99999", "h:p"):
+    for bad in ("unix://rel.sock", "unix:/x", "host", "h:99999", "h:p", "::1:5"):
         with pytest.raises(ValueError):
             parse_listen(bad)
 

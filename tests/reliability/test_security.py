@@ -20,8 +20,8 @@ import trio
 import trustme
 from trio_websocket import ConnectionRejected, HandshakeError, open_websocket_url
 
+from sidecar.addresses import split_host_port
 from sidecar.childproc import loopback_run_args
-from sidecar.cli_options import split_host_port
 from sidecar.client.sidecar_client import SidecarConnectionError, open_sidecar
 from sidecar.run_command import run
 from tests.e2e.harness import Sidecar, generate_request, mock_engine, sidecar, spawn

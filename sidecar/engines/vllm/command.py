@@ -16,9 +16,9 @@ from typing import Any
 
 import click
 
+from sidecar.addresses import parse_listen
 from sidecar.cli_options import command_option, env_name
 from sidecar.engines.vllm.config import VllmSettings
-from sidecar.openengine.server import parse_listen
 
 ENV_PREFIX = env_name("--", "vllm-engine")[:-1]  # OPENENGINE_SIDECAR_VLLM_
 EXTRA_MISSING = "the 'vllm' extra is not installed (run scripts/install-vllm)"
