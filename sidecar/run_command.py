@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import click
-import msgspec
 import trio
 import trio_asyncio
 
@@ -52,6 +51,7 @@ from sidecar.cli_options import (
     option,
     read_token,
 )
+from sidecar.core import metrics
 from sidecar.core.lifecycle import LifecycleConfig
 from sidecar.core.schema_options import schema_options
 from sidecar.core.shutdown import stop_budget, stop_timeout
@@ -95,6 +95,9 @@ async def serve(
         open_engine_client(engine, keepalive=engine_keepalive(config), limits=config.engine_limits) as client,
     ):
         sidecar = Sidecar(client, config)
+        metrics.ENGINE_CHANNELS.set_function(
+            lambda: client.generate_channel_count
+        )  # this process's one client
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as root:
                 limits = replace(http_limits or HttpLimits(), handshake_timeout=ws.handshake_timeout)
@@ -269,8 +272,7 @@ async def _start_kv_bridge(root: trio.Nursery, sidecar: Sidecar, kv: KvBridgeCon
     except (KvConfigError, KvSourceError, OSError) as err:
         raise StartupError(f"KV event bridge: {err}") from None
     endpoints = [r.publish_endpoint for r in info.ranks]
-    sidecar.config.kv_publish_endpoints = endpoints
-    sidecar.card = msgspec.structs.replace(card, kv_publish_endpoints=endpoints)
+    sidecar.set_kv_publish_endpoints(endpoints)
     ranks = ", ".join(f"rank {r.rank}: {r.publish_endpoint} (replay {r.replay_endpoint})" for r in info.ranks)
     log.info("KV events bridged from %s to %s", info.ranks[0].source if info.ranks else "?", ranks)
 

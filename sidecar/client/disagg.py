@@ -248,8 +248,8 @@ class DisaggClient:
             req, invalid = pb.GenerateRequest(), str(err)
         flow = DisaggFlow(req, metadata, self._buffer)
         if invalid is not None:
-            flow.end = flow._ended("rejected", error_body(pb.ErrorCode.INVALID_ARGUMENT, invalid))
-            flow._send.close()
+            flow.end = flow.ended("rejected", error_body(pb.ErrorCode.INVALID_ARGUMENT, invalid))
+            flow.close_events()
             yield flow
             return
         try:
@@ -262,7 +262,7 @@ class DisaggClient:
                         nursery.cancel_scope.cancel(reason="P/D flow left early")
         finally:
             if flow.end is None:
-                flow.end = flow._ended(
+                flow.end = flow.ended(
                     "cancelled", error_body(pb.ErrorCode.CANCELLED, "the P/D flow was cancelled")
                 )
 
@@ -274,7 +274,7 @@ class DisaggClient:
                 end = over.end
             flow.end = end
         finally:
-            flow._send.close()
+            flow.close_events()
 
     async def _describe(self, flow: DisaggFlow, role: Role, url: str) -> Worker | None:
         """Connect and ``describe``; ``None`` (with an attempt recorded) when that fails."""
@@ -312,11 +312,11 @@ class DisaggClient:
         found = await decodes.next()
         if found is None:
             await prefills.next()  # the prefill side's state too: the error names both when both are down
-            raise flow._exhausted("decode")
+            raise flow.exhausted("decode")
         decode = found[0]
         picked = await prefills.next(_pairs_with_decode(decode))
         if picked is None:
-            raise flow._exhausted("prefill")
+            raise flow.exhausted("prefill")
         prefill, pairing = picked
         assert pairing is not None
         flow.mode = pairing.mode
@@ -335,7 +335,7 @@ class DisaggClient:
 
         async def deliver(event: wire.Event) -> None:
             if side.role == "decode":
-                await flow._send.send(event)
+                await flow.deliver(event)
             else:
                 flow.prefill_events.append(event)
 
@@ -364,11 +364,11 @@ class DisaggClient:
             prefill, kv = await self._prefill_first(flow, prefill, decode, prefills)
             no_kv = await self._decode_with(flow, prefill, decode, kv, decodes)
             if no_kv is None:
-                return flow._ended("completed", None)
+                return flow.ended("completed", None)
             decode = no_kv
             picked = await prefills.next(_pairs_with_decode(decode))
             if picked is None:
-                raise flow._exhausted("prefill")
+                raise flow.exhausted("prefill")
             prefill = picked[0]
 
     async def _prefill_first(
@@ -389,10 +389,10 @@ class DisaggClient:
                 flow.prefill_url, flow.kv_session_bytes = prefill.url, kv
                 return prefill, kv
             if not side.skippable:
-                raise flow._side_over(side)
+                raise flow.side_over(side)
             picked = await prefills.next(_pairs_with_decode(decode))
             if picked is None:
-                raise flow._exhausted("prefill")
+                raise flow.exhausted("prefill")
             prefill = picked[0]
 
     async def _decode_with(
@@ -416,11 +416,11 @@ class DisaggClient:
                     await _release_kv_session(prefill, kv)  # if its engine still holds it
                     return decode
                 if not side.skippable:
-                    raise flow._side_over(side)
+                    raise flow.side_over(side)
                 flow.decode_url = None
                 picked = await decodes.next(_pairs_with_prefill(prefill))
                 if picked is None:
-                    raise flow._exhausted("decode")
+                    raise flow.exhausted("decode")
                 decode = picked[0]
         except BaseException:
             if not relayed and not (last is not None and last.events):
@@ -450,22 +450,22 @@ class DisaggClient:
             flow.prefill_url, flow.decode_url = prefill.url, decode.url
             if dec.ok:
                 flow.kv_session_bytes = session
-                return flow._ended("completed", None)
+                return flow.ended("completed", None)
             assert first is not None
             new: Pairing | None
             blame = _bootstrap_blame(pre, dec)
             if blame == "prefill":
                 picked = await prefills.next(_pairs_with_decode(decode))
                 if picked is None:
-                    raise flow._exhausted("prefill")
+                    raise flow.exhausted("prefill")
                 prefill, new = picked
             elif blame == "decode":
                 picked = await decodes.next(_pairs_with_prefill(prefill))
                 if picked is None:
-                    raise flow._exhausted("decode")
+                    raise flow.exhausted("decode")
                 decode, new = picked
             else:
-                raise flow._side_over(first)
+                raise flow.side_over(first)
             flow.prefill_url = flow.decode_url = None
             assert new is not None
             pairing = new

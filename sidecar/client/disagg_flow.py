@@ -210,8 +210,16 @@ class DisaggFlow:
             raise DisaggError(self.end)
         return self.end
 
-    # driver side
-    def _ended(self, outcome: str, error: wire.ErrorBody | None) -> FlowEnd:
+    # the coordinator's side (``Disagg`` drives the flow through these)
+    async def deliver(self, event: wire.Event) -> None:
+        """Hand a decode event to whoever iterates the flow (waits while its buffer is full)."""
+        await self._send.send(event)
+
+    def close_events(self) -> None:
+        """No more events: iterating the flow ends once the buffered ones are read."""
+        self._send.close()
+
+    def ended(self, outcome: str, error: wire.ErrorBody | None) -> FlowEnd:
         return FlowEnd(
             outcome=outcome,
             error=error,
@@ -222,7 +230,7 @@ class DisaggFlow:
             attempts=list(self.attempts),
         )
 
-    def _exhausted(self, role: Role) -> FlowOver:
+    def exhausted(self, role: Role) -> FlowOver:
         mine = [a for a in self.attempts if a.role == role]
         reasons = "; ".join(f"{a.url}: {a.result} {a.code or ''} {a.message}".strip() for a in mine)
         message = f"no {role} sidecar could take the request ({reasons})"
@@ -235,12 +243,12 @@ class DisaggFlow:
         last = mine[-1] if mine else None
         retryable = any(a.retryable for a in mine)
         code = (last.code if last is not None else None) or "ERROR_CODE_INTERNAL"
-        return FlowOver(self._ended("rejected", error_body(code, message, retryable)))
+        return FlowOver(self.ended("rejected", error_body(code, message, retryable)))
 
-    def _side_over(self, side: Side) -> FlowOver:
+    def side_over(self, side: Side) -> FlowOver:
         """The flow ends because of ``side`` (its own error; ``failed`` once anything was accepted)."""
         end = side.end
         outcome = end.outcome if end is not None and side.lost is None and side.problem is None else "failed"
         if side.role == "prefill" and outcome == "completed":
             outcome = "failed"
-        return FlowOver(self._ended(outcome, side.error()))
+        return FlowOver(self.ended(outcome, side.error()))

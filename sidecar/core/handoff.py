@@ -82,8 +82,9 @@ def parse_kv_session(raw: bytes) -> pb.KvSessionRef:
     return parse_strict(pb.KvSessionRef, raw)
 
 
-def splice_kv_session(request: pb.GenerateRequest, raw: bytes) -> pb.GenerateRequest:
-    """A shallow copy of ``request`` whose ``kv.session`` is ``raw``, byte for byte.
+def splice_kv_session(request: pb.GenerateRequest, raw: bytes | None) -> pb.GenerateRequest:
+    """A shallow copy of ``request`` whose ``kv.session`` is ``raw``, byte for byte (``request``
+    itself when ``raw`` is None).
 
     The decode engine must receive the prefill engine's ``KvSessionRef`` exactly as produced --
     field order, unknown fields (a newer schema revision) and all; re-serializing a parsed copy
@@ -92,6 +93,8 @@ def splice_kv_session(request: pb.GenerateRequest, raw: bytes) -> pb.GenerateReq
     ``KvOptions`` fields, as a single occurrence of the field (no reliance on protobuf's merging
     of repeated message fields). ``request`` itself is not modified.
     """
+    if raw is None:
+        return request
     out = copy.copy(request)
     kv = copy.copy(request.kv) if request.kv is not None else pb.KvOptions()
     kv.session = None

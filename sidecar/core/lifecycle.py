@@ -36,6 +36,7 @@ import trio
 from sidecar.core import metrics
 from sidecar.core.abort_backlog import REDELIVER_FIRST_PAUSE, REDELIVER_MAX_PAUSE, AbortBacklog
 from sidecar.core.errors import Rejection, error_code_name
+from sidecar.core.handoff import splice_kv_session
 from sidecar.logs import log_context
 from sidecar.openengine import pb
 from sidecar.openengine.client import EngineClient, EngineStream
@@ -190,15 +191,16 @@ class StreamSupervisor:
     """Owns every admitted stream of the sidecar (all connections, all planes).
 
     Resources: a registry of in-flight request ids, a background nursery for Abort
-    retries and the re-delivery of undelivered Aborts (started with :meth:`run_service`). ``draining`` refuses new work with a typed
-    ``DRAINING`` rejection; :meth:`wait_idle` returns once no stream is in flight.
+    retries and the re-delivery of undelivered Aborts (started with :meth:`run_service`). After
+    :meth:`start_draining` new work is refused with a typed ``DRAINING`` rejection;
+    :meth:`wait_idle` returns once no stream is in flight.
     """
 
     def __init__(self, engine: EngineClient, config: LifecycleConfig | None = None) -> None:
         self.engine = engine
         self.config = config or LifecycleConfig()
         self.streams: dict[str, StreamHandle] = {}
-        self.draining = False
+        self._draining = False
         self._idle = trio.Event()
         self._idle.set()
         self._retry_nursery: trio.Nursery | None = None
@@ -237,6 +239,20 @@ class StreamSupervisor:
 
     # -- admission -------------------------------------------------------------------------
 
+    @property
+    def draining(self) -> bool:
+        """True once :meth:`start_draining` was called (never reset: a drain ends the process)."""
+        return self._draining
+
+    def start_draining(self) -> None:
+        """Refuse new work from now on (:meth:`refuse_if_draining`); admitted streams go on."""
+        self._draining = True
+
+    def refuse_if_draining(self) -> None:
+        """Raise the ``DRAINING`` :class:`Rejection` (retryable: send it elsewhere) once draining."""
+        if self._draining:
+            raise Rejection(pb.ErrorCode.DRAINING, "the sidecar is draining; send new work elsewhere", True)
+
     def new_request_id(self) -> str:
         """A sidecar-made request id: 128 random bits (unguessable: a client cannot claim the
         id another client's request will get), never one in flight here."""
@@ -248,15 +264,24 @@ class StreamSupervisor:
     def _in_use(self, request_id: str) -> bool:
         return request_id in self.streams or request_id in self._aborting
 
-    def admit(self, request: pb.GenerateRequest, metadata: Sequence[tuple[str, str]] = ()) -> StreamHandle:
+    def admit(
+        self,
+        request: pb.GenerateRequest,
+        metadata: Sequence[tuple[str, str]] = (),
+        *,
+        kv_session_bytes: bytes | None = None,
+    ) -> StreamHandle:
         """Register a stream or raise :class:`Rejection` (DRAINING, OVERLOADED, DUPLICATE_REQUEST,
         INVALID_ARGUMENT for a ``request_id`` over ``max_request_id_length``).
 
         An empty ``request_id`` is replaced by a sidecar-unique, random one. Every admitted
         stream has its own entry in :attr:`streams` until it ends: two streams never share an id.
+        ``kv_session_bytes`` (a client's ``KvSessionRef`` bytes, already parsed into
+        ``request.kv.session`` for the checks): the engine gets them byte for byte instead of a
+        re-serialization (:func:`~sidecar.core.handoff.splice_kv_session`); the handle's
+        ``request`` is what is sent.
         """
-        if self.draining:
-            raise Rejection(pb.ErrorCode.DRAINING, "the sidecar is draining; send new work elsewhere", True)
+        self.refuse_if_draining()
         if len(self.streams) >= self.config.max_streams:
             raise Rejection(
                 pb.ErrorCode.OVERLOADED,
@@ -279,6 +304,7 @@ class StreamSupervisor:
                 f"request_id {quote(request.request_id)} is still being aborted here; retry later",
                 True,
             )
+        request = splice_kv_session(request, kv_session_bytes)
         handle = StreamHandle(request, metadata, admitted_at=trio.current_time())
         self.streams[request.request_id] = handle
         self._idle = trio.Event() if self._idle.is_set() else self._idle

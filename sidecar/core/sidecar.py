@@ -71,7 +71,6 @@ class SidecarConfig:
     reconnect_max: float = 5.0
     drain_timeout: float = 20.0
     drain_engine: bool = False
-    kv_publish_endpoints: list[str] = field(default_factory=list)
     lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
     #: ``loadLora`` source paths must lie under this directory (``run --lora-root``); None: anywhere.
     lora_root: str | None = None
@@ -118,7 +117,8 @@ class Sidecar:
         self.plane_problems: dict[str, str] = {}
         self._engine_lost = trio.Event()
         self._warned: set[str] = set()
-        metrics.ENGINE_CHANNELS.set_function(lambda: getattr(engine, "generate_channel_count", 0))
+        #: Where the KV bridge republishes (:meth:`set_kv_publish_endpoints`), kept in every card.
+        self._kv_publish_endpoints: list[str] = []
 
     # -- readiness -------------------------------------------------------------------------
 
@@ -192,6 +192,13 @@ class Sidecar:
             self._card = card
             self._notify_change()
 
+    def set_kv_publish_endpoints(self, endpoints: list[str]) -> None:
+        """Where the KV bridge republishes the engine's events: in the card from now on, and in
+        every card a rediscovery makes."""
+        self._kv_publish_endpoints = list(endpoints)
+        if self.card is not None:
+            self.card = msgspec.structs.replace(self.card, kv_publish_endpoints=list(endpoints))
+
     def changes(self) -> trio.Event:
         """An event set at the next change of readiness or of the card. Take it *before*
         reading the state it guards, then wait on it (no change can slip in between)."""
@@ -214,15 +221,19 @@ class Sidecar:
 
     # -- streams (the north planes' interface) ---------------------------------------------
 
-    def admit(self, request: pb.GenerateRequest, metadata: dict[str, str]) -> StreamHandle:
-        """Admission before the engine; raises :class:`Rejection`. See ``sidecar.core.admission``."""
-        if self.draining:
-            raise Rejection(pb.ErrorCode.DRAINING, "the sidecar is draining; send new work elsewhere", True)
+    def admit(
+        self, request: pb.GenerateRequest, metadata: dict[str, str], *, kv_session_bytes: bytes | None = None
+    ) -> StreamHandle:
+        """Admission before the engine; raises :class:`Rejection`. See ``sidecar.core.admission``;
+        ``kv_session_bytes``: :meth:`StreamSupervisor.admit`."""
+        self.supervisor.refuse_if_draining()  # first: DRAINING, not "engine not ready: draining"
         reason = self._admission_problem()
         if reason is not None or self.card is None:
             raise Rejection(pb.ErrorCode.INTERNAL, f"engine not ready: {reason}", True)
         admitted = admit_request(request, metadata, self.card)
-        return self.supervisor.admit(admitted.request, admitted.metadata_pairs)
+        return self.supervisor.admit(
+            admitted.request, admitted.metadata_pairs, kv_session_bytes=kv_session_bytes
+        )
 
     async def run_stream(self, handle: StreamHandle, emit: Any) -> Outcome:
         outcome = await self.supervisor.run(handle, emit)
@@ -389,7 +400,7 @@ class Sidecar:
             if warning not in self._warned:
                 self._warned.add(warning)
                 log.warning("%s", warning)
-        return msgspec.structs.replace(card, kv_publish_endpoints=list(self.config.kv_publish_endpoints))
+        return msgspec.structs.replace(card, kv_publish_endpoints=list(self._kv_publish_endpoints))
 
     async def watch_engine(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Health every ``health_interval`` (or at once when a stream saw the engine fail).
@@ -530,7 +541,7 @@ class Sidecar:
 
     def start_draining(self) -> None:
         """Refuse new work from now on (``DRAINING``); ``/ready`` turns 503."""
-        self.supervisor.draining = True
+        self.supervisor.start_draining()
         metrics.DRAINING.set(1)
         metrics.READY.set(0)
         self._notify_change()

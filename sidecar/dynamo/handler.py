@@ -132,13 +132,12 @@ class StreamBridge:
             mapped = to_generate_request(
                 job.request, card, request_id=_request_id(job.context), trace_headers=_trace(job.context)
             )
-            handle = sidecar.admit(mapped.request, mapped.metadata)
+            handle = sidecar.admit(mapped.request, mapped.metadata, kv_session_bytes=mapped.kv_session_bytes)
         except Rejection as rejection:
             outcome = Outcome.from_rejection(rejection)
             metrics.REQUESTS.labels(outcome.kind).inc()
             await self._finish(job, outcome, dynamo_cancelled=False)
             return
-        handle.request = mapped.engine_request(handle.request)
         job.handle = handle
         if job.abandoned:
             handle.cancel(OUTCOME_HANDLER_CLOSED)

@@ -44,7 +44,7 @@ from typing import Any
 
 from sidecar.core.card import ROLE_DECODE, ROLE_PREFILL, MultimodalCard, WorkerCard
 from sidecar.core.errors import Rejection, invalid_argument
-from sidecar.core.handoff import parse_kv_session, splice_kv_session
+from sidecar.core.handoff import parse_kv_session
 from sidecar.core.lifecycle import CANCELLED, FAILED, Outcome
 from sidecar.core.metadata import PRIORITY, TARGET_DP_RANK
 from sidecar.dynamo.media import media_request
@@ -80,7 +80,8 @@ _MAX_U32 = 2**32 - 1
 
 
 class DynamoRequest:
-    """A mapped request: what to admit, and the session bytes to splice after admission."""
+    """A mapped request: what to admit, and the prefill's session bytes the engine gets verbatim
+    (``Sidecar.admit(..., kv_session_bytes=)``)."""
 
     __slots__ = ("kv_session_bytes", "metadata", "request")
 
@@ -90,12 +91,6 @@ class DynamoRequest:
         self.request = request
         self.metadata = metadata
         self.kv_session_bytes = kv_session_bytes
-
-    def engine_request(self, admitted: pb.GenerateRequest) -> pb.GenerateRequest:
-        """The admitted request with the prefill engine's session bytes spliced in verbatim."""
-        if self.kv_session_bytes is None:
-            return admitted
-        return splice_kv_session(admitted, self.kv_session_bytes)
 
 
 def _dict(value: Any, what: str) -> Mapping[str, Any]:

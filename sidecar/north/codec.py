@@ -4,8 +4,8 @@ Server side: ``decode_frame`` turns one WebSocket message (``str`` = text frame 
 ``bytes`` = binary frame = msgpack) into a ``GenerateCommand`` / ``CancelCommand`` /
 ``CallCommand`` that remembers its ``Encoding``; ``encode`` (and the ``encode_event`` fast
 path, run per token) turn a ``wire`` message into a frame of a given encoding.
-``engine_request`` gives the ``pb.GenerateRequest`` to send to the engine, with
-client-supplied ``kvSessionBytes`` spliced in byte for byte.
+A ``GenerateCommand`` keeps client-supplied ``kvSessionBytes`` exactly as sent: admission
+(``Sidecar.admit(..., kv_session_bytes=)``) splices them into what the engine gets, byte for byte.
 
 Client side: ``encode`` for outgoing messages, ``decode_server_frame`` for incoming ones.
 
@@ -23,7 +23,7 @@ import betterproto2
 import msgspec
 
 from sidecar.core import int64
-from sidecar.core.handoff import KvSessionRelease, parse_kv_session, splice_kv_session
+from sidecar.core.handoff import KvSessionRelease, parse_kv_session
 from sidecar.north import wire
 from sidecar.north.pbjson import PbJsonError, decode_base64, message_from_json, message_to_json
 from sidecar.openengine import pb
@@ -47,8 +47,6 @@ __all__ = [
     "encode",
     "encode_event",
     "end_message",
-    "engine_request",
-    "engine_request_bytes",
     "error_body",
     "error_reply",
     "event_message",
@@ -106,7 +104,7 @@ class GenerateCommand:
 
     ``request`` is the parsed request; when the client sent ``kvSessionBytes``,
     ``request.kv.session`` holds their parsed form (for admission checks only) and
-    ``kv_session_bytes`` the exact bytes, which ``engine_request`` forwards unchanged.
+    ``kv_session_bytes`` the exact bytes, which admission forwards unchanged.
     """
 
     stream: str | int
@@ -293,24 +291,6 @@ def _call_command(msg: wire.Call, encoding: Encoding) -> CallCommand:
 
 
 # --- the request sent to the engine -------------------------------------------------------------------
-
-
-def engine_request(cmd: GenerateCommand) -> pb.GenerateRequest:
-    """The request to send to the engine for ``cmd`` (reflecting later edits such as a filled
-    ``request_id``).
-
-    Without ``kv_session_bytes`` this is ``cmd.request`` itself. With them, a copy whose
-    ``kv.session`` is the client's bytes verbatim (``sidecar.core.handoff.splice_kv_session``), not a
-    re-serialization of the parsed ``request.kv.session``.
-    """
-    if cmd.kv_session_bytes is None:
-        return cmd.request
-    return splice_kv_session(cmd.request, cmd.kv_session_bytes)
-
-
-def engine_request_bytes(cmd: GenerateCommand) -> bytes:
-    """The protobuf bytes of ``engine_request(cmd)``."""
-    return bytes(engine_request(cmd))
 
 
 # --- encoding sidecar -> client (and client -> sidecar) ---------------------------------------------

@@ -56,8 +56,11 @@ CLOSE_POLICY = 1008
 class StreamHost(Protocol):
     """What the WebSocket plane needs from the core (implemented by ``sidecar.core.sidecar.Sidecar``)."""
 
-    def admit(self, request: pb.GenerateRequest, metadata: dict[str, str]) -> StreamHandle:
-        """Admission before the engine: raise Rejection, or register and return the stream."""
+    def admit(
+        self, request: pb.GenerateRequest, metadata: dict[str, str], *, kv_session_bytes: bytes | None = None
+    ) -> StreamHandle:
+        """Admission before the engine: raise Rejection, or register and return the stream (its
+        ``request`` is what the engine gets: with ``kv_session_bytes`` spliced in verbatim)."""
         ...
 
     async def run_stream(
@@ -435,14 +438,12 @@ class Connection:
             )
             return
         try:
-            handle = self.host.admit(cmd.request, cmd.metadata)
+            handle = self.host.admit(cmd.request, cmd.metadata, kv_session_bytes=cmd.kv_session_bytes)
         except Rejection as rejection:
             if limits is not None:
                 limits.close_stream(self.peer.key)
             await self._reject(cmd, rejection)
             return
-        cmd.request = handle.request  # admitted (request_id filled, names resolved)
-        handle.request = codec.engine_request(cmd)  # + client kvSessionBytes, byte for byte
         self.streams[cmd.stream] = handle
         nursery.start_soon(self._run_stream, cmd.stream, cmd.encoding, handle)
 

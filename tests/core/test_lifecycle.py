@@ -11,6 +11,7 @@ import trio
 import trio_asyncio
 
 from sidecar.core.errors import Rejection
+from sidecar.core.handoff import parse_kv_session
 from sidecar.core.lifecycle import (
     CANCELLED,
     COMPLETED,
@@ -262,10 +263,24 @@ async def test_admission_gates(supervisor: StreamSupervisor) -> None:
     with pytest.raises(Rejection) as full:
         supervisor.admit(request("b"))
     assert full.value.code == pb.ErrorCode.OVERLOADED and full.value.retryable
-    supervisor.draining = True
+    supervisor.start_draining()
     with pytest.raises(Rejection) as draining:
         supervisor.admit(request("c"))
     assert draining.value.code == pb.ErrorCode.DRAINING and draining.value.retryable
+
+
+async def test_admit_sends_the_client_session_bytes_verbatim(supervisor: StreamSupervisor) -> None:
+    """The engine gets a client's KvSessionRef bytes as sent (a newer revision's field kept), in
+    the request the handle holds from admission on, its id filled by the supervisor."""
+    raw = bytes(pb.KvSessionRef(session_id="s1", dp_rank=0)) + b"\xa8\x06\x01"  # field 101: varint 1
+    req = request("")
+    req.kv = pb.KvOptions(session=parse_kv_session(raw), cache_salt="salt")
+    handle = supervisor.admit(req, kv_session_bytes=raw)
+    sent = bytes(handle.request)
+    assert raw in sent and handle.request_id.startswith("sc-")
+    parsed = pb.GenerateRequest.parse(sent)
+    assert parsed.request_id == handle.request_id and parsed.kv is not None and parsed.kv.cache_salt == "salt"
+    assert supervisor.admit(request("plain")).request.kv is None
 
 
 async def test_aborts_in_flight_are_bounded(server: RunningServer, supervisor: StreamSupervisor) -> None:

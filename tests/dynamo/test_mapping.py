@@ -9,6 +9,7 @@ import pytest
 
 from sidecar.core.admission import admit
 from sidecar.core.errors import Rejection
+from sidecar.core.handoff import splice_kv_session
 from sidecar.core.lifecycle import CANCELLED, FAILED, REJECTED, Outcome
 from sidecar.dynamo.mapping import KV_SESSION_KEY, ChunkMerger, chunk_of, error_kind, to_generate_request
 from sidecar.openengine import pb
@@ -141,7 +142,7 @@ def test_decode_request_carries_the_prefill_session_bytes_verbatim() -> None:
     assert mapped.request.kv.session.session_id == "s1"
     assert "openengine-target-dp-rank" not in mapped.metadata  # the session's rank is authoritative
     admitted = admit(mapped.request, mapped.metadata, card).request
-    sent = bytes(mapped.engine_request(admitted))
+    sent = bytes(splice_kv_session(admitted, mapped.kv_session_bytes))
     assert raw in sent  # forwarded byte for byte, unknown field included
 
 

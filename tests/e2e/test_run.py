@@ -69,6 +69,7 @@ async def test_serves_streams_card_and_probes(aio_loop: Any, tmp_path: Path) -> 
             metrics = (await http_get(sc.http + "/metrics")).text
             assert 'openengine_sidecar_streams_total{code="",outcome="completed"} 1.0' in metrics
             assert "openengine_sidecar_tokens_relayed_total 5.0" in metrics
+            assert "openengine_sidecar_engine_generate_channels 1.0" in metrics  # the one client's pool
             assert (await http_get(sc.http + "/v1/load")).status_code == 200
 
 

@@ -24,6 +24,7 @@ import traceback
 
 from sidecar.core.admission import admit
 from sidecar.core.errors import Rejection
+from sidecar.core.handoff import splice_kv_session
 from sidecar.north import codec
 from sidecar.north.codec import Encoding
 from tests.core.shapes import R, sglang_card, trtllm_card, vllm_card
@@ -64,7 +65,7 @@ def run_one(message: str | bytes, outcomes: collections.Counter[str]) -> None:
                 except Rejection as rejection:
                     _bounded(rejection.message)
                     outcomes[f"rejected {rejection.code.name}"] += 1
-        bytes(codec.engine_request(cmd))
+        bytes(splice_kv_session(cmd.request, cmd.kv_session_bytes))
     else:
         outcomes[type(cmd).__name__] += 1
 

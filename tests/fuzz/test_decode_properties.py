@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from sidecar.core.handoff import splice_kv_session
 from sidecar.north import codec, wire
 from sidecar.north.codec import Encoding
 from sidecar.openengine import pb
@@ -62,7 +63,9 @@ def check(frame: str | bytes) -> codec.Command | codec.ProtocolError | codec.Fra
     elif isinstance(result, codec.GenerateCommand):
         assert _valid_id(result.stream) and result.encoding is enc
         assert isinstance(result.request, pb.GenerateRequest)
-        bytes(codec.engine_request(result))  # what goes to the engine serializes
+        bytes(
+            splice_kv_session(result.request, result.kv_session_bytes)
+        )  # what goes to the engine serializes
     elif isinstance(result, codec.CancelCommand):
         assert _valid_id(result.stream)
     elif isinstance(result, codec.CallCommand):

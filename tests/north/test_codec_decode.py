@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from sidecar.core.handoff import KvSessionRelease, abort_kv_session_bytes
+from sidecar.core.handoff import KvSessionRelease, abort_kv_session_bytes, splice_kv_session
 from sidecar.north import codec, wire
 from sidecar.north.codec import (
     CallCommand,
@@ -64,7 +64,7 @@ def test_generate(pack: Any) -> None:
     assert cmd.request.sampling is not None and cmd.request.sampling.seed == 9
     assert cmd.metadata["openengine-routing-key"] == "abc"
     assert cmd.kv_session_bytes is None
-    assert codec.engine_request(cmd) is cmd.request
+    assert splice_kv_session(cmd.request, cmd.kv_session_bytes) is cmd.request
 
 
 def test_generate_msgpack_bin_bytes_field() -> None:

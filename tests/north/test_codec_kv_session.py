@@ -8,8 +8,9 @@ import json
 import msgspec
 import pytest
 
+from sidecar.core.handoff import splice_kv_session
 from sidecar.north import codec, wire
-from sidecar.north.codec import Encoding, GenerateCommand, ProtocolError, decode_frame, engine_request
+from sidecar.north.codec import Encoding, GenerateCommand, ProtocolError, decode_frame
 from sidecar.openengine import pb
 from sidecar.openengine._betterproto2_internals import unknown_fields
 
@@ -118,7 +119,7 @@ def test_bytes_survive_unchanged(form: str) -> None:
     assert session.handoff_profile == "vllm.kv_transfer_params.v1"
 
     cmd.request.request_id = "filled-by-sidecar"  # later edits are reflected
-    out = codec.engine_request_bytes(cmd)
+    out = bytes(splice_kv_session(cmd.request, cmd.kv_session_bytes))
     assert kv_field_1(out) == RAW_SESSION
     parsed = pb.GenerateRequest.parse(out)
     assert parsed.request_id == "filled-by-sidecar"
@@ -144,7 +145,7 @@ def test_request_without_kv_options() -> None:
         )
     )
     assert isinstance(cmd, GenerateCommand)
-    req = engine_request(cmd)
+    req = splice_kv_session(cmd.request, cmd.kv_session_bytes)
     assert req is not cmd.request
     assert kv_field_1(bytes(req)) == RAW_SESSION
 
@@ -168,7 +169,7 @@ def test_session_in_request_json_is_used_as_is() -> None:
         json.dumps({"type": "generate", "stream": 1, "request": {"kv": {"session": {"sessionId": "a"}}}})
     )
     assert isinstance(cmd, GenerateCommand) and cmd.kv_session_bytes is None
-    assert engine_request(cmd) is cmd.request
+    assert splice_kv_session(cmd.request, cmd.kv_session_bytes) is cmd.request
 
 
 @pytest.mark.parametrize("encoding", list(Encoding))
@@ -208,4 +209,4 @@ def test_decode_handoff_round_trip() -> None:
     for encoding in Encoding:
         cmd = decode_frame(codec.encode(gen, encoding))
         assert isinstance(cmd, GenerateCommand)
-        assert kv_field_1(codec.engine_request_bytes(cmd)) == RAW_SESSION
+        assert kv_field_1(bytes(splice_kv_session(cmd.request, cmd.kv_session_bytes))) == RAW_SESSION

@@ -94,7 +94,9 @@ class BurstHost:
     """Admits anything; each stream emits EVENTS token events without yielding in between
     (so they are queued together), then completes."""
 
-    def admit(self, request: pb.GenerateRequest, metadata: dict[str, str]) -> StreamHandle:
+    def admit(
+        self, request: pb.GenerateRequest, metadata: dict[str, str], *, kv_session_bytes: bytes | None = None
+    ) -> StreamHandle:
         return StreamHandle(request=request)
 
     async def run_stream(

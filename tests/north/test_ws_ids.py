@@ -41,7 +41,9 @@ class GatedHost:
         self.began.setdefault(key, trio.Event()).set()
         return self.gate(key)
 
-    def admit(self, request: pb.GenerateRequest, metadata: dict[str, str]) -> StreamHandle:
+    def admit(
+        self, request: pb.GenerateRequest, metadata: dict[str, str], *, kv_session_bytes: bytes | None = None
+    ) -> StreamHandle:
         return StreamHandle(request=request)
 
     async def run_stream(
