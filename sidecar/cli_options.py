@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import click
 
@@ -52,11 +52,20 @@ def env_name(flag: str, command: str = "run") -> str:
     return ENV_PREFIX + infix + flag.lstrip("-").replace("-", "_").upper()
 
 
-def command_option(command: str) -> Callable[..., Any]:
+FC = TypeVar("FC", bound=Callable[..., Any] | click.Command)
+
+
+class OptionDecorator(Protocol):
+    """``click.option``'s signature (what :func:`command_option` returns)."""
+
+    def __call__(self, *decls: str, **kwargs: Any) -> Callable[[FC], FC]: ...
+
+
+def command_option(command: str) -> OptionDecorator:
     """The ``option`` decorator of ``command``: ``click.option`` that also reads the flag's
     variable (:func:`env_name`); an explicit ``envvar=`` is kept."""
 
-    def option(*decls: str, **kwargs: Any) -> Any:
+    def option(*decls: str, **kwargs: Any) -> Callable[[FC], FC]:
         longs = [d for d in decls if d.startswith("--")]
         if longs and "envvar" not in kwargs:
             kwargs["envvar"] = env_name(longs[0].split("/")[0], command)

@@ -182,7 +182,13 @@ class _Pool:
             self._held[url] = (client, stop)
             return client
 
-    async def _hold(self, url: str, stop: trio.Event, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def _hold(
+        self,
+        url: str,
+        stop: trio.Event,
+        *,
+        task_status: trio.TaskStatus[SidecarClient] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
         started = False
         try:
             async with self._connect(url) as client:

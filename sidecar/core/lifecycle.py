@@ -221,7 +221,7 @@ class StreamSupervisor:
 
     # -- service ---------------------------------------------------------------------------
 
-    async def run_service(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def run_service(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Host background Abort retries and the re-delivery of undelivered Aborts until
         cancelled (start in the root nursery). Aborts still undelivered then are logged."""
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -235,7 +236,9 @@ class Sidecar:
             admitted.request, admitted.metadata_pairs, kv_session_bytes=kv_session_bytes
         )
 
-    async def run_stream(self, handle: StreamHandle, emit: Any) -> Outcome:
+    async def run_stream(
+        self, handle: StreamHandle, emit: Callable[[pb.GenerateResponse], Awaitable[None]]
+    ) -> Outcome:
         outcome = await self.supervisor.run(handle, emit)
         if outcome.kind != CANCELLED and outcome.retryable and outcome.code == pb.ErrorCode.INTERNAL:
             self._engine_lost.set()  # a transport failure: check the engine now, not at the next tick
@@ -402,7 +405,7 @@ class Sidecar:
                 log.warning("%s", warning)
         return msgspec.structs.replace(card, kv_publish_endpoints=list(self._kv_publish_endpoints))
 
-    async def watch_engine(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def watch_engine(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Health every ``health_interval`` (or at once when a stream saw the engine fail).
 
         On loss: not ready; reconnect with backoff; rediscover; serve again only when the
@@ -474,7 +477,7 @@ class Sidecar:
                 await trio.sleep(delay)
                 delay = min(delay * 2, cfg.reconnect_max)
 
-    async def poll_load(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def poll_load(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """GetLoad (per rank) every ``load_interval``, on a fixed schedule.
 
         A failed poll is counted (``openengine_sidecar_load_poll_errors``, the card's

@@ -102,7 +102,7 @@ class StreamBridge:
 
     # -- trio side ---------------------------------------------------------------------------
 
-    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Start a stream task per job until cancelled (then every stream is cancelled)."""
         async with trio.open_nursery() as nursery:
             task_status.started()

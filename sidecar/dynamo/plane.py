@@ -123,7 +123,7 @@ class DynamoPlane:
 
     # -- the service -------------------------------------------------------------------------
 
-    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
         """Register and serve until cancelled; ``task_status.started(endpoint path)``."""
         card = self.sidecar.card
         if card is None:

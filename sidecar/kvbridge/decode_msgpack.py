@@ -286,9 +286,9 @@ def _decode_generic(payload: bytes) -> EventBatch:
     for i, ev in enumerate(events):
         try:
             if isinstance(ev, dict):
-                typed.append(msgspec.convert(ev, _MapEvent))  # type: ignore[arg-type]
+                typed.append(msgspec.convert(ev, _MapEvent))
             elif isinstance(ev, list):
-                typed.append(msgspec.convert(ev, _ArrEvent))  # type: ignore[arg-type]
+                typed.append(msgspec.convert(ev, _ArrEvent))
             else:
                 raise KvDecodeError(f"event {i} is a {type(ev).__name__}, expected a map or an array")
         except msgspec.ValidationError as err:

@@ -52,7 +52,7 @@ class ZmqIngest:
 
     def __init__(
         self,
-        ctx: zmq.Context,
+        ctx: zmq.Context[zmq.Socket[bytes]],
         source: ZmqSource,
         out: trio.MemorySendChannel[list[EventBatch]],
         *,
@@ -78,7 +78,7 @@ class ZmqIngest:
             can_replay=source.replay_endpoint is not None, cleared=cleared
         )
         self.decoder = MsgpackBatchDecoder()
-        self._dealer: zmq.Socket | None = None
+        self._dealer: zmq.Socket[bytes] | None = None
         self._rank_warned = False
         self.over_limit = False  # the last replay was abandoned at a limit
         self._dropped = False  # the current SUB connection was dropped
@@ -129,14 +129,14 @@ class ZmqIngest:
         finally:
             self._close_dealer()
 
-    async def _watch_disconnect(self, monitor: zmq.Socket) -> None:
+    async def _watch_disconnect(self, monitor: zmq.Socket[bytes]) -> None:
         """Mark the SUB's connection dropped (and end the receive loop's wait, a safe point)."""
         await recv_multipart(monitor)
         self._dropped = True
         if self._waiting is not None:
             self._waiting.cancel()
 
-    async def _receive(self, sub: zmq.Socket) -> None:
+    async def _receive(self, sub: zmq.Socket[bytes]) -> None:
         """Forward live batches from ``sub`` until its connection drops."""
         src = self.source
         m = self.metrics

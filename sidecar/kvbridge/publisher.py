@@ -48,7 +48,7 @@ class RankEndpoints:
 
 
 async def run_rank_publisher(
-    ctx: zmq.Context,
+    ctx: zmq.Context[zmq.Socket[bytes]],
     rank: int,
     receive: trio.MemoryReceiveChannel[list[EventBatch]],
     *,

@@ -91,7 +91,7 @@ class ReplayServer:
 
     def __init__(
         self,
-        router: zmq.Socket,
+        router: zmq.Socket[bytes],
         buffer: ReplayBuffer,
         topic: bytes,
         metrics: RankMetrics,
@@ -266,7 +266,7 @@ class ReplayServer:
 
 
 async def serve_replay(
-    ctx: zmq.Context,
+    ctx: zmq.Context[zmq.Socket[bytes]],
     endpoint: str,
     buffer: ReplayBuffer,
     topic: bytes,

@@ -30,9 +30,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 P = TypeVar("P")
+_A = TypeVar("_A", contravariant=True)
+
+
+class _Out(Protocol[_A]):
+    """Where actions go (a ``list`` of a union that holds ``_A``)."""
+
+    def append(self, action: _A, /) -> None: ...
 
 
 class Reason(enum.StrEnum):
@@ -88,7 +95,7 @@ class _ClearGate:
         # a first Clear is worth sending (consumers may hold a past view) unless one was just sent
         self._clean = cleared
 
-    def clear(self, out: list, reason: Reason) -> None:
+    def clear(self, out: _Out[Clear], reason: Reason) -> None:
         if not self._clean:
             out.append(Clear(reason))
             self._clean = True

@@ -18,14 +18,14 @@ _POLLIN = zmq.POLLIN
 _NOBLOCK = zmq.NOBLOCK
 
 
-async def recv_multipart(sock: zmq.Socket) -> list[bytes]:
+async def recv_multipart(sock: zmq.Socket[bytes]) -> list[bytes]:
     """One multipart message. Cancellable while waiting; a checkpoint only when it waits."""
     while not (int(sock.getsockopt(_EVENTS)) & _POLLIN):
         await trio.lowlevel.wait_readable(sock.FD)
     return sock.recv_multipart(_NOBLOCK)
 
 
-async def recv_some(sock: zmq.Socket, limit: int) -> list[list[bytes]]:
+async def recv_some(sock: zmq.Socket[bytes], limit: int) -> list[list[bytes]]:
     """Wait for at least one message, then take every queued one, up to ``limit``."""
     while not (int(sock.getsockopt(_EVENTS)) & _POLLIN):
         await trio.lowlevel.wait_readable(sock.FD)
@@ -35,7 +35,7 @@ async def recv_some(sock: zmq.Socket, limit: int) -> list[list[bytes]]:
     return out
 
 
-def bind(sock: zmq.Socket, endpoint: str) -> str:
+def bind(sock: zmq.Socket[bytes], endpoint: str) -> str:
     """Bind ``sock``; returns the bound endpoint (``LAST_ENDPOINT``). Raises ``OSError``."""
     try:
         sock.bind(endpoint)

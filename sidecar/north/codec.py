@@ -169,7 +169,8 @@ def _attributable_id(frame: str | bytes, want: str) -> str | int | None:
         probe = _probe_json.decode(frame) if isinstance(frame, str) else _probe_msgpack.decode(frame)
         if probe.type != want:
             return None
-        return msgspec.convert(probe.stream if want == "generate" else probe.call, wire.Id)  # type: ignore[arg-type]
+        ident: str | int = msgspec.convert(probe.stream if want == "generate" else probe.call, wire.Id)
+        return ident
     except (msgspec.DecodeError, RecursionError):
         return None
 
@@ -358,7 +359,7 @@ def _finished(f: pb.GenerationFinished) -> wire.GenerationFinished:
     sm = f.stop_match
     return wire.GenerationFinished(
         output_index=f.output_index,
-        reason=_FINISH_REASONS.get(f.reason, f.reason),  # type: ignore[arg-type]
+        reason=_FINISH_REASONS.get(f.reason, f.reason),
         message=f.message,
         stop_match=None
         if sm is None
@@ -392,7 +393,7 @@ def response_to_wire(resp: pb.GenerateResponse) -> wire.GenerateResponse:
     elif resp.error is not None:
         e = resp.error
         out.error = wire.EngineError(
-            code=_ERROR_CODES.get(e.code, e.code),  # type: ignore[arg-type]
+            code=_ERROR_CODES.get(e.code, e.code),
             message=e.message,
             retryable=e.retryable,
         )
@@ -564,8 +565,8 @@ def decode_server_frame(frame: str | bytes) -> wire.ServerMessage:
     (no ids attributed)."""
     try:
         if isinstance(frame, str):
-            return _server_json.decode(frame)  # type: ignore[no-any-return]
-        return _server_msgpack.decode(frame)  # type: ignore[no-any-return]
+            return _server_json.decode(frame)
+        return _server_msgpack.decode(frame)
     except msgspec.ValidationError as err:
         raise ProtocolError(f"invalid message from sidecar: {err}") from None
     except (msgspec.DecodeError, RecursionError) as err:

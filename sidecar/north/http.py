@@ -10,6 +10,7 @@ engine healthy and not draining; ``/v1/schema`` is the north protocol's JSON Sch
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import trio
@@ -40,6 +41,10 @@ class HttpHost(Protocol):
     load: Any
 
 
+#: A route's handler.
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
 def _json_response(body: Any, status: int = 200) -> Response:
     return Response(_json.encode(body), status_code=status, media_type="application/json")
 
@@ -48,7 +53,7 @@ def build_app(host: HttpHost, *, auth_token: str | None = None, open_probes: boo
     """The ASGI app. With ``auth_token``, every route (probes too unless ``open_probes``)
     requires ``Authorization: Bearer <token>`` (scheme in any case; 401 without detail otherwise)."""
 
-    def guarded(fn: Any, *, probe: bool = False) -> Any:
+    def guarded(fn: Endpoint, *, probe: bool = False) -> Endpoint:
         if auth_token is None or (probe and open_probes):
             return fn
         token = auth_token

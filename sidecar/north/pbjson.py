@@ -311,8 +311,10 @@ def _map_key_reader(proto_type: str) -> _Reader:
     if proto_type == betterproto2.TYPE_BOOL:
 
         def read_bool_key(value: Any, path: str, depth: int) -> bool:
-            if value in ("true", "false"):
-                return value == "true"
+            if value == "true":
+                return True
+            if value == "false":
+                return False
             raise _fail(path, f"expected a boolean map key, got {quote(value)}")
 
         return read_bool_key

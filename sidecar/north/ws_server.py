@@ -507,7 +507,11 @@ class NorthPlane:
         self._closed = trio.Event()
 
     async def serve(
-        self, listen_host: str, listen_port: int, *, task_status: Any = trio.TASK_STATUS_IGNORED
+        self,
+        listen_host: str,
+        listen_port: int,
+        *,
+        task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Serve until closed and every connection ended, or cancelled; ``task_status.started(port)``."""
         cfg = self.config

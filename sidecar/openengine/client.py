@@ -244,13 +244,14 @@ class EngineStream(Generic[T]):
         if type(msg) is _HandedOver:
             self.kv_session_bytes = msg.raw
             msg = msg.message
+        item: T = msg  # the channel carries T (a _HandedOver only around a GenerateResponse)
         self.messages += 1
         try:
-            self._rules.observe(msg)
+            self._rules.observe(item)
         except EngineClientError:
             self._done = True
             raise
-        return msg
+        return item
 
 
 class EngineClient:
@@ -360,7 +361,7 @@ class EngineClient:
                 route, Cardinality.UNARY_UNARY, type(request), reply_type, timeout=timeout, metadata=md
             ) as stream:
                 await stream.send_message(request, end=True)
-                reply = await recv_bounded(
+                reply: T | None = await recv_bounded(
                     stream, limits.max_answer_bytes, decode_large, limits.decode_inline_bytes
                 )
             if reply is None:
@@ -368,7 +369,8 @@ class EngineClient:
             return reply
 
         try:
-            return await trio_asyncio.aio_as_trio(call)()
+            answer: T = await trio_asyncio.aio_as_trio(call)()
+            return answer
         except (Exception, asyncio.CancelledError) as exc:
             if isinstance(exc, asyncio.CancelledError):
                 raise
