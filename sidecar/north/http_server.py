@@ -18,9 +18,10 @@ What this adds to a plain ``hypercorn.trio.serve`` (docs/SECURITY.md "HTTP liste
   idle connection makes room, so idle floods cannot keep a probe out).
 
 Hypercorn offers no switch for HTTP/2 cleartext, no per-connection error boundary and no
-connection limit, so its trio server is given our per-connection server and protocol wrapper
-(:func:`_install`, idempotent; only the sidecar's listener runs hypercorn in this process).
-``tests/north/test_http_server.py`` pins that behaviour against the locked hypercorn version.
+connection limit, so its trio worker is given our per-connection server and protocol wrapper:
+everything that relies on hypercorn beyond its documented ``serve`` is in
+``sidecar.north._hypercorn_internals`` (one module, guarded by a test).
+``tests/north/test_http_server.py`` pins the behaviour against the locked hypercorn version.
 """
 
 from __future__ import annotations
@@ -31,23 +32,19 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import h11
-import hypercorn.trio.run
-import hypercorn.trio.tcp_server
 import trio
-from hypercorn.config import Config, Sockets
-from hypercorn.events import Closed, Event, Updated
-from hypercorn.protocol import ProtocolWrapper
-from hypercorn.protocol.h11 import H2ProtocolAssumedError, H11Protocol
-from hypercorn.trio.run import worker_serve
-from hypercorn.trio.tcp_server import TCPServer
-from hypercorn.utils import wrap_app
 
 from sidecar.core.metrics import HTTP_FAILURES
+from sidecar.north._hypercorn_internals import (
+    HypercornConfig,
+    asgi_app,
+    describe_failure,
+    duplicate_sockets,
+    install,
+    listening_sockets,
+    run_worker,
+)
 from sidecar.north.http_connections import HttpConnections
-from sidecar.north.peers import peer_of
-from sidecar.nursery import first_leaf
-from sidecar.quoting import clip
 
 log = logging.getLogger(__name__)
 
@@ -72,83 +69,6 @@ class HttpLimits:
     max_connections_per_peer: int = 16
 
 
-class _Config(Config):
-    """hypercorn's config, plus the listener's connection table (read by :class:`_CountedServer`)."""
-
-    connections: HttpConnections | None = None
-
-
-class _CountedServer(TCPServer):
-    """One accepted connection, counted in the listener's :class:`HttpConnections` from the
-    accept (before a TLS handshake) to the close; its requests mark it busy, their ends idle."""
-
-    async def run(self) -> None:
-        table: HttpConnections | None = getattr(self.config, "connections", None)
-        if table is None:
-            await super().run()
-            return
-        self.peer = peer_of(self.stream)
-        if not await table.admit(self):
-            await trio.aclose_forcefully(self.stream)
-            return
-        try:
-            await super().run()
-        except trio.ClosedResourceError:
-            pass  # closed to make room (HttpConnections.admit); hypercorn expects none mid-handshake
-        finally:
-            table.release(self)
-
-    async def protocol_send(self, event: Event) -> None:
-        table: HttpConnections | None = getattr(self.config, "connections", None)
-        if table is not None and isinstance(event, Updated):
-            table.busy(self, not event.idle)
-        await super().protocol_send(event)
-
-
-class _Http11Only(H11Protocol):
-    """HTTP/1.1 without its two ways into HTTP/2."""
-
-    async def _check_protocol(self, event: h11.Request) -> None:
-        if event.method == b"PRI" and event.target == b"*" and event.http_version == b"2.0":
-            raise H2ProtocolAssumedError(b"")  # refused by _GuardedProtocol
-        # ``Upgrade: h2c`` is not acted on: the request is served over HTTP/1.1
-
-
-class _GuardedProtocol(ProtocolWrapper):
-    """One connection's protocol: HTTP/1.1 only; an exception closes this connection only."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.protocol = _Http11Only(
-            self.app,
-            self.config,
-            self.context,
-            self.task_group,
-            self.state,
-            self.ssl,
-            self.client,
-            self.server,
-            self.send,
-        )
-
-    async def handle(self, event: Event) -> None:
-        try:
-            await self.protocol.handle(event)
-        except H2ProtocolAssumedError:
-            log.debug("HTTP/2 prior-knowledge connection from %s refused", self.client)
-            await self.send(Closed())
-        except Exception as exc:
-            HTTP_FAILURES.labels("connection").inc()
-            log.warning(
-                "HTTP connection from %s failed (%s); closed",
-                self.client,
-                _describe(exc),
-                exc_info=log.isEnabledFor(logging.DEBUG),
-            )
-            if not isinstance(event, Closed):
-                await self.send(Closed())
-
-
 def _limit_headers(app: Any, max_bytes: int) -> Any:
     """ASGI middleware: 431 for a request whose headers (as sent: ``name: value\\r\\n``) exceed ``max_bytes``.
 
@@ -165,19 +85,8 @@ def _limit_headers(app: Any, max_bytes: int) -> Any:
     return limited
 
 
-def _describe(exc: BaseException) -> str:
-    """``Type: message`` of the first leaf of a (possibly nested) exception group."""
-    exc = first_leaf(exc)
-    return f"{type(exc).__name__}: {clip(str(exc), 200)}"
-
-
-def _install() -> None:
-    hypercorn.trio.tcp_server.ProtocolWrapper = _GuardedProtocol  # type: ignore[misc]
-    hypercorn.trio.run.TCPServer = _CountedServer  # type: ignore[misc]
-
-
-def _config(bind: str, certfile: str | None, keyfile: str | None, limits: HttpLimits) -> Config:
-    config = _Config()
+def _config(bind: str, certfile: str | None, keyfile: str | None, limits: HttpLimits) -> HypercornConfig:
+    config = HypercornConfig()
     config.connections = HttpConnections(limits.max_connections, limits.max_connections_per_peer)
     config.bind = [bind]
     config.accesslog = None
@@ -206,25 +115,23 @@ async def serve_http(
     The socket is bound once (an ``OSError`` if it cannot be, before reporting) and kept
     across listener restarts (each run of hypercorn gets a duplicate of it). Never raises after reporting, except ``Cancelled``.
     """
-    _install()
+    install()
     limits = limits or HttpLimits()
     config = _config(bind, certfile, keyfile, limits)
     sockets = config.create_sockets()
-    listening: list[socket.socket] = [*sockets.secure_sockets, *sockets.insecure_sockets]
+    listening: list[socket.socket] = listening_sockets(sockets)
     try:
         for sock in listening:
             sock.listen(config.backlog)
         port = int(listening[0].getsockname()[1])
-        asgi = wrap_app(_limit_headers(app, limits.max_header_bytes), config.wsgi_max_body_size, "asgi")
+        asgi = asgi_app(_limit_headers(app, limits.max_header_bytes), config)
         started = False
         while True:
             try:
                 # hypercorn closes the sockets it served on: give it duplicates, keep the originals
-                run = Sockets(
-                    [s.dup() for s in sockets.secure_sockets], [s.dup() for s in sockets.insecure_sockets], []
-                )
+                run = duplicate_sockets(sockets)
                 async with trio.open_nursery() as nursery:
-                    await nursery.start(partial(worker_serve, asgi, config, sockets=run))
+                    await nursery.start(partial(run_worker, asgi, config, run))
                     if not started:
                         task_status.started(port)
                         started = True
@@ -236,7 +143,7 @@ async def serve_http(
                 log.error(
                     "HTTP listener on port %d failed (%s); restarting",
                     port,
-                    _describe(exc),
+                    describe_failure(exc),
                     exc_info=log.isEnabledFor(logging.DEBUG),
                 )
             await trio.sleep(limits.restart_delay)

@@ -6,8 +6,8 @@ for one connection are encoded into WebSocket frames together and written at onc
 :data:`MAX_WRITE` bytes per write. Each is still its own WebSocket message (the protocol is
 unchanged).
 
-A client that stops reading leaves a write blocked with the socket (trio-websocket's
-``_stream_lock``) held, so a close frame (the stalled client's 1008) would queue behind the
+A client that stops reading leaves a write blocked with the socket (the connection's write
+lock) held, so a close frame (the stalled client's 1008) would queue behind the
 rest of that write — and on a stuck TCP connection every further window of data can wait for
 a zero-window probe, seconds apart. :meth:`BatchWriter.interrupt` stops the write in progress
 at the end of the frame being written (plain TCP: the write goes through the socket's own
@@ -15,10 +15,10 @@ at the end of the frame being written (plain TCP: the write goes through the soc
 the next thing on the wire after the kernel's buffers. Over TLS the write cannot be split
 (``SSLStream``): the close frame follows the write in progress (at most :data:`MAX_WRITE`).
 
-This uses trio-websocket's internals (``_wsproto``, ``_stream``, ``_stream_lock``,
-``_close_reason``, ``_abort_web_socket``), exactly as its own ``_send`` does; the dependency
-is pinned to the 0.12 series (see ``sidecar.north.ws_adapter``), and :func:`supported` falls
-back to ``send_message`` per frame if a release renames them.
+This writes as trio-websocket's own send does, through the accessors of
+``sidecar.north._trio_websocket_internals`` (the one module naming its internals; the
+dependency is pinned to the 0.12 series), and :func:`supported` falls back to ``send_message``
+per frame if a release renames them.
 """
 
 from __future__ import annotations
@@ -29,15 +29,15 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 from wsproto.events import BytesMessage, TextMessage
 
+from sidecar.north import _trio_websocket_internals as internals
+
 #: Most bytes one socket write carries (a single larger frame is written alone).
 MAX_WRITE = 64 * 1024
-
-_INTERNALS = ("_wsproto", "_stream", "_stream_lock", "_close_reason", "_abort_web_socket")
 
 
 def supported(ws: WebSocketConnection) -> bool:
     """Whether this connection exposes the internals :func:`send_batch` relies on."""
-    return all(hasattr(ws, name) for name in _INTERNALS)
+    return not internals.missing_internals(ws)
 
 
 async def send_batch(
@@ -73,15 +73,14 @@ class BatchWriter:
             for frame in frames:
                 await ws.send_message(frame)
             return
-        if ws._close_reason or self.interrupted:
-            raise ConnectionClosed(ws._close_reason)
-        encode = ws._wsproto.send
+        if internals.close_reason(ws) or self.interrupted:
+            raise ConnectionClosed(internals.close_reason(ws))
         chunks: list[tuple[bytes, list[int]]] = []  # (bytes, end offset of each frame)
         parts: list[bytes] = []
         ends: list[int] = []
         size = 0
         for f in frames:
-            data = encode(TextMessage(data=f) if isinstance(f, str) else BytesMessage(data=f))
+            data = internals.encode(ws, TextMessage(data=f) if isinstance(f, str) else BytesMessage(data=f))
             if parts and size + len(data) > self.max_write:
                 chunks.append((b"".join(parts), ends))
                 parts, ends, size = [], [], 0
@@ -90,22 +89,23 @@ class BatchWriter:
             ends.append(size)
         if parts:
             chunks.append((b"".join(parts), ends))
-        stream = ws._stream
+        stream = internals.transport(ws)
+        lock = internals.write_lock(ws)
         for data, frame_ends in chunks:
-            async with ws._stream_lock:
-                if ws._close_reason or self.interrupted:
+            async with lock:
+                if internals.close_reason(ws) or self.interrupted:
                     # closed while we waited: nothing may follow the close frame
-                    raise ConnectionClosed(ws._close_reason)
+                    raise ConnectionClosed(internals.close_reason(ws))
                 try:
                     if isinstance(stream, trio.SocketStream):
                         await self._write_frames(stream.socket, data, frame_ends)
                     else:
                         await stream.send_all(data)
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                    await ws._abort_web_socket()
-                    raise ConnectionClosed(ws._close_reason) from None
+                    await internals.abort(ws)
+                    raise ConnectionClosed(internals.close_reason(ws)) from None
             if self.interrupted:
-                raise ConnectionClosed(ws._close_reason)
+                raise ConnectionClosed(internals.close_reason(ws))
 
     async def _write_frames(self, sock: trio.socket.SocketType, data: bytes, frame_ends: list[int]) -> None:
         """Write ``data``; when interrupted, stop at the end of the frame in progress. (A trio

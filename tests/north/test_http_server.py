@@ -22,7 +22,7 @@ import trio
 import trustme
 
 from sidecar.core.metrics import HTTP_FAILURES, LIMIT_REFUSALS
-from sidecar.north import http_server
+from sidecar.north._hypercorn_internals import Http11Only
 from sidecar.north.auth import bearer_matches
 from sidecar.north.http import build_app
 from sidecar.north.http_server import HttpLimits, serve_http
@@ -141,14 +141,14 @@ async def test_tls_offers_http11_only_and_handshake_is_bounded(tmp_path: Path) -
 async def test_failing_connection_is_closed_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     """An exception in one connection's protocol code (e.g. hypercorn's HTTP/2 KeyError)
     closes that connection, is counted, and touches nothing else."""
-    original = http_server._Http11Only._check_protocol
+    original = Http11Only._check_protocol
 
     async def boom(self: Any, event: Any) -> None:
         if event.target == b"/boom":
             raise KeyError(1)
         await original(self, event)
 
-    monkeypatch.setattr(http_server._Http11Only, "_check_protocol", boom)
+    monkeypatch.setattr(Http11Only, "_check_protocol", boom)
     conn0, listener0 = failures("connection"), failures("listener")
     with trio.fail_after(20):
         async with listener() as port:

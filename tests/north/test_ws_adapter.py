@@ -1,6 +1,5 @@
-"""The trio-websocket adapter in-process: the internals it relies on exist (a release that
-renames them fails here), client faults get their close frame, nothing a connection does stops
-the listener."""
+"""The trio-websocket adapter in-process: client faults get their close frame, nothing a
+connection does stops the listener. (The internals it relies on: test_trio_websocket_internals.)"""
 
 from __future__ import annotations
 
@@ -11,11 +10,10 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-import trio_websocket
-from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest
+from trio_websocket import ConnectionClosed, WebSocketRequest
 
-from sidecar.north import ws_adapter, ws_batch
-from sidecar.north.ws_adapter import SidecarWebSocket, missing_internals
+from sidecar.north import ws_adapter
+from sidecar.north._trio_websocket_internals import SidecarWebSocket
 from tests.fuzz.mutate import OP_PING, OP_TEXT, Frame, ws_frame
 from tests.fuzz.rawws import NO_CLOSE_FRAME, Closed, RawWs
 
@@ -63,36 +61,6 @@ async def _echo_works(url: str) -> None:
     await ws.send_text("ping?")
     assert await ws.next() == "ping?"
     await ws.aclose()
-
-
-def test_pinned_trio_websocket_series() -> None:
-    # ws_adapter and ws_batch reach into 0.12's internals: review them before moving the pin.
-    assert trio_websocket.__version__.startswith("0.12."), trio_websocket.__version__
-
-
-async def test_the_internals_the_adapter_uses_exist() -> None:
-    seen: list[WebSocketConnection] = []
-
-    async def handler(request: WebSocketRequest) -> None:
-        ws = await request.accept()
-        seen.append(ws)
-        await echo_loop(ws)
-
-    async def echo_loop(ws: WebSocketConnection) -> None:
-        try:
-            await ws.get_message()
-        except ConnectionClosed:
-            pass
-
-    with trio.fail_after(10):
-        async with serving(handler) as url:
-            ws = await RawWs.connect(url)
-            await ws.send_text("done")
-            await ws.aclose()
-    (conn,) = seen
-    assert isinstance(conn, SidecarWebSocket)
-    assert missing_internals(conn) == []
-    assert ws_batch.supported(conn)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,215 @@
+"""Every use of hypercorn beyond its documented ``serve``, in one module (issue 17).
+
+Hypercorn offers no switch for HTTP/2 cleartext, no per-connection error boundary and no
+connection limit, so the sidecar's HTTP listener (``sidecar.north.http_server``) runs hypercorn's
+trio worker (``worker_serve``, with pre-bound ``Sockets`` so that a restarted listener keeps its
+socket) with its own per-connection server and protocol wrapper installed in hypercorn's trio
+modules (:func:`install`, idempotent; only the sidecar's listener runs hypercorn in this
+process):
+
+- :class:`CountedServer` (hypercorn's ``TCPServer``): each connection counted in the listener's
+  :class:`~sidecar.north.http_connections.HttpConnections` from the accept, busy while a request
+  runs (hypercorn's ``Updated`` events);
+- :class:`GuardedProtocol` (hypercorn's ``ProtocolWrapper``): HTTP/1.1 only
+  (:class:`Http11Only` overrides ``H11Protocol._check_protocol``, hypercorn's two ways into
+  HTTP/2), and an exception of one connection's protocol code closes that connection only.
+
+``tests/north/test_hypercorn_internals.py`` fails loudly when a hypercorn release moves or
+renames what this relies on (:data:`MODULE_NAMES`, :func:`missing_internals`);
+``tests/north/test_http_server.py`` pins the behaviour. The dependency is pinned to 0.18.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import socket
+from typing import Any
+
+import h11
+import hypercorn.trio.run
+import hypercorn.trio.tcp_server
+import trio
+from hypercorn.config import Config, Sockets
+from hypercorn.events import Closed, Event, Updated
+from hypercorn.protocol import ProtocolWrapper
+from hypercorn.protocol.h11 import H2ProtocolAssumedError, H11Protocol
+from hypercorn.trio.run import worker_serve
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.utils import wrap_app
+
+from sidecar.core.metrics import HTTP_FAILURES
+from sidecar.north.http_connections import HttpConnections
+from sidecar.north.peers import peer_of
+from sidecar.nursery import first_leaf
+from sidecar.quoting import clip
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "CountedServer",
+    "GuardedProtocol",
+    "Http11Only",
+    "HypercornConfig",
+    "asgi_app",
+    "describe_failure",
+    "duplicate_sockets",
+    "install",
+    "missing_internals",
+    "run_worker",
+]
+
+#: Module globals of hypercorn's trio worker that :func:`install` replaces (module, name).
+MODULE_NAMES = (("hypercorn.trio.tcp_server", "ProtocolWrapper"), ("hypercorn.trio.run", "TCPServer"))
+#: Methods of hypercorn classes overridden here (class, name); ``_check_protocol`` is private.
+OVERRIDDEN = ((TCPServer, "run"), (TCPServer, "protocol_send"), (H11Protocol, "_check_protocol"))
+#: Attributes of a ``ProtocolWrapper`` that :class:`GuardedProtocol` passes to its protocol
+#: (set from the constructor parameters of the same names).
+WRAPPER_STATE = ("app", "config", "context", "task_group", "state", "ssl", "client", "server", "send")
+#: ``H11Protocol``'s parameters, in the order :class:`GuardedProtocol` passes them.
+H11_PARAMETERS = (
+    "app",
+    "config",
+    "context",
+    "task_group",
+    "connection_state",
+    "ssl",
+    "client",
+    "server",
+    "send",
+)
+
+
+def missing_internals() -> list[str]:
+    """What this module relies on that the installed hypercorn lacks (empty with the pin)."""
+    missing = [f"{mod}.{name}" for mod, name in MODULE_NAMES if not hasattr(_module(mod), name)]
+    missing += [f"{cls.__name__}.{name}" for cls, name in OVERRIDDEN if not hasattr(cls, name)]
+    wrapper_params = inspect.signature(ProtocolWrapper.__init__).parameters
+    missing += [f"ProtocolWrapper({name}=)" for name in WRAPPER_STATE if name not in wrapper_params]
+    if tuple(inspect.signature(H11Protocol.__init__).parameters)[1:] != H11_PARAMETERS:
+        missing.append(f"H11Protocol{H11_PARAMETERS} (positional)")
+    if "sockets" not in inspect.signature(worker_serve).parameters:
+        missing.append("worker_serve(sockets=)")
+    return missing
+
+
+def _module(name: str) -> Any:
+    return {"hypercorn.trio.tcp_server": hypercorn.trio.tcp_server, "hypercorn.trio.run": hypercorn.trio.run}[
+        name
+    ]
+
+
+def describe_failure(exc: BaseException) -> str:
+    """``Type: message`` of the first leaf of a (possibly nested) exception group."""
+    exc = first_leaf(exc)
+    return f"{type(exc).__name__}: {clip(str(exc), 200)}"
+
+
+class HypercornConfig(Config):
+    """hypercorn's config, plus the listener's connection table (read by :class:`CountedServer`)."""
+
+    connections: HttpConnections | None = None
+
+
+class CountedServer(TCPServer):
+    """One accepted connection, counted in the listener's :class:`HttpConnections` from the
+    accept (before a TLS handshake) to the close; its requests mark it busy, their ends idle."""
+
+    async def run(self) -> None:
+        table: HttpConnections | None = getattr(self.config, "connections", None)
+        if table is None:
+            await super().run()
+            return
+        self.peer = peer_of(self.stream)
+        if not await table.admit(self):
+            await trio.aclose_forcefully(self.stream)
+            return
+        try:
+            await super().run()
+        except trio.ClosedResourceError:
+            pass  # closed to make room (HttpConnections.admit); hypercorn expects none mid-handshake
+        finally:
+            table.release(self)
+
+    async def protocol_send(self, event: Event) -> None:
+        table: HttpConnections | None = getattr(self.config, "connections", None)
+        if table is not None and isinstance(event, Updated):
+            table.busy(self, not event.idle)
+        await super().protocol_send(event)
+
+
+class Http11Only(H11Protocol):
+    """HTTP/1.1 without its two ways into HTTP/2."""
+
+    async def _check_protocol(self, event: h11.Request) -> None:
+        if event.method == b"PRI" and event.target == b"*" and event.http_version == b"2.0":
+            raise H2ProtocolAssumedError(b"")  # refused by GuardedProtocol
+        # ``Upgrade: h2c`` is not acted on: the request is served over HTTP/1.1
+
+
+class GuardedProtocol(ProtocolWrapper):
+    """One connection's protocol: HTTP/1.1 only; an exception closes this connection only."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.protocol = Http11Only(
+            self.app,
+            self.config,
+            self.context,
+            self.task_group,
+            self.state,
+            self.ssl,
+            self.client,
+            self.server,
+            self.send,
+        )
+
+    async def handle(self, event: Event) -> None:
+        try:
+            await self.protocol.handle(event)
+        except H2ProtocolAssumedError:
+            log.debug("HTTP/2 prior-knowledge connection from %s refused", self.client)
+            await self.send(Closed())
+        except Exception as exc:
+            HTTP_FAILURES.labels("connection").inc()
+            log.warning(
+                "HTTP connection from %s failed (%s); closed",
+                self.client,
+                describe_failure(exc),
+                exc_info=log.isEnabledFor(logging.DEBUG),
+            )
+            if not isinstance(event, Closed):
+                await self.send(Closed())
+
+
+def install() -> None:
+    """Make hypercorn's trio worker use :class:`CountedServer` and :class:`GuardedProtocol`."""
+    hypercorn.trio.tcp_server.ProtocolWrapper = GuardedProtocol  # type: ignore[misc]
+    hypercorn.trio.run.TCPServer = CountedServer  # type: ignore[misc]
+
+
+def asgi_app(app: Any, config: Config) -> Any:
+    """``app`` wrapped as hypercorn's worker expects it."""
+    return wrap_app(app, config.wsgi_max_body_size, "asgi")
+
+
+def duplicate_sockets(sockets: Sockets) -> Sockets:
+    """Duplicates of ``sockets`` for one run of the worker (hypercorn closes what it served on)."""
+    return Sockets([s.dup() for s in sockets.secure_sockets], [s.dup() for s in sockets.insecure_sockets], [])
+
+
+def listening_sockets(sockets: Sockets) -> list[socket.socket]:
+    """Every socket of ``sockets`` (TLS ones first)."""
+    return [*sockets.secure_sockets, *sockets.insecure_sockets]
+
+
+async def run_worker(
+    asgi: Any,
+    config: Config,
+    sockets: Sockets,
+    *,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """hypercorn's trio worker on pre-bound ``sockets`` (``started`` with its bound addresses);
+    returns once it shut down."""
+    await worker_serve(asgi, config, sockets=sockets, task_status=task_status)
