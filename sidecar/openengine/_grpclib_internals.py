@@ -24,26 +24,41 @@ What is used, and why:
 - ``Server._server`` (the asyncio server): the port an ephemeral TCP listen got.
 - ``grpclib.protocol.H2Connection`` (replaced; benchmark engine processes only): server
   connections advertising a different ``SETTINGS_MAX_CONCURRENT_STREAMS``.
+- A client ``Stream``'s receive path (``_recv_initial_metadata_done``, ``_wrapper``,
+  ``_stream.recv_data``, ``_codec``, ``_recv_type``, ``_dispatch``, ``_messages_received``
+  and the connection's ``messages_received`` / ``last_message_received``):
+  :func:`recv_bounded` is grpclib's ``Stream.recv_message`` with the gRPC length prefix checked
+  before the message is read. grpclib reads a whole message into memory — acknowledging it to
+  the engine's flow control as it goes — before decoding it, and the prefix may announce up to
+  4 GiB; per message this costs what grpclib's own does plus one comparison, and a large
+  message's decoding goes to the caller's ``decode_large`` (a worker thread:
+  :mod:`sidecar.openengine.message_limits`). ``tests/openengine/test_bounded_recv.py`` holds
+  the behaviour.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import inspect
+import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpclib.client
 import grpclib.protocol
 import grpclib.server
-from grpclib.client import Channel, Handler
+from grpclib.client import Channel, Handler, Stream
 from grpclib.protocol import H2Protocol
 from h2.connection import H2Connection
 from h2.events import RemoteSettingsChanged
 from h2.settings import SettingCodes, Settings
 
+from sidecar.openengine.errors import EngineMessageTooLarge, EngineProtocolError
+
 __all__ = [
     "ClientChannel",
     "ClientProtocol",
+    "DecodeLarge",
     "advertise_max_concurrent_streams",
     "channel_protocol",
     "closed_streams",
@@ -51,6 +66,7 @@ __all__ = [
     "connection_lost",
     "missing_internals",
     "peer_stream_limit",
+    "recv_bounded",
     "server_port",
 ]
 
@@ -196,6 +212,54 @@ def advertise_max_concurrent_streams(limit: int) -> None:
     grpclib.protocol.H2Connection = _WideH2Connection  # type: ignore[misc]
 
 
+#: ``await decode_large(codec_decode, data, message_type)``: decode a large message elsewhere.
+DecodeLarge = Callable[[Callable[[bytes, Any], Any], bytes, Any], Awaitable[Any]]
+
+
+async def recv_bounded(
+    stream: Stream[Any, Any], limit: int, decode_large: DecodeLarge | None = None, inline_max: int = 0
+) -> Any | None:
+    """The next message of ``stream`` (``None`` at its end); :class:`EngineMessageTooLarge`
+    when its length prefix exceeds ``limit`` bytes (:mod:`sidecar.openengine.errors`). A
+    message over ``inline_max`` bytes is decoded by ``decode_large`` when given."""
+    st: Any = stream
+    if not st._recv_initial_metadata_done:
+        await st.recv_initial_metadata()
+    with st._wrapper:
+        prefix = await st._stream.recv_data(5)
+        if not prefix:
+            return None
+        if prefix[0]:
+            raise EngineProtocolError("engine sent a compressed message (not negotiated)")
+        size = int.from_bytes(prefix[1:5], "big")
+        if size > limit:
+            raise EngineMessageTooLarge(size, limit)
+        data = await st._stream.recv_data(size)
+        if len(data) != size:
+            raise EngineProtocolError(f"engine ended a message after {len(data)} of {size} bytes")
+        if size > inline_max and decode_large is not None:
+            decoded = await decode_large(st._codec.decode, data, st._recv_type)
+        else:
+            decoded = st._codec.decode(data, st._recv_type)
+        (message,) = await st._dispatch.recv_message(decoded)
+        st._messages_received += 1
+        st._stream.connection.messages_received += 1
+        st._stream.connection.last_message_received = time.monotonic()
+        return message
+
+
+#: A client ``Stream``'s state :func:`recv_bounded` reads or writes (class-level or set in its methods).
+_STREAM_STATE = (
+    "_recv_initial_metadata_done",
+    "_wrapper",
+    "_stream",
+    "_codec",
+    "_recv_type",
+    "_dispatch",
+    "_messages_received",
+)
+
+
 def missing_internals() -> list[str]:
     """The class-level names above that this grpclib / h2 lacks (empty when all are there).
     What lives on a connection's instances is checked by the guard test on a real one."""
@@ -207,7 +271,15 @@ def missing_internals() -> list[str]:
         (H2Protocol, "connection_made"),
         (H2Protocol, "connection_lost"),
         (H2Connection, "DEFAULT_MAX_HEADER_LIST_SIZE"),
+        (Stream, "recv_initial_metadata"),
+        (grpclib.protocol.Connection, "messages_received"),
+        (grpclib.protocol.Connection, "last_message_received"),
     ]
-    return [
+    missing = [
         f"{getattr(owner, '__name__', owner)}.{name}" for owner, name in wanted if not hasattr(owner, name)
     ]
+    source = inspect.getsource(Stream)
+    missing += [
+        f"Stream.{n}" for n in _STREAM_STATE if f"self.{n}" not in source and f"    {n}" not in source
+    ]
+    return missing

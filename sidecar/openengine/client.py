@@ -45,8 +45,8 @@ from grpclib.encoding.base import CodecBase
 
 from sidecar.nursery import open_background_nursery
 from sidecar.openengine import pb
+from sidecar.openengine._grpclib_internals import recv_bounded
 from sidecar.openengine.address import EngineAddress, parse_engine_address
-from sidecar.openengine.bounded_recv import recv_bounded
 from sidecar.openengine.channel_pool import GeneratePool, Keepalive, SettingsAwareChannel, probe_liveness
 from sidecar.openengine.errors import (
     STATUS_TO_CODE,

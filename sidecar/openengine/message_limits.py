@@ -4,7 +4,7 @@ message is decoded.
 The engine is trusted for what its messages say, not for their sizes (docs/SECURITY.md,
 "Engine"). Every message the :class:`~sidecar.openengine.client.EngineClient` receives is
 checked against its kind's bound from the gRPC length prefix, before a byte of it is read
-(:mod:`sidecar.openengine.bounded_recv`): over it, the call fails with
+(:func:`sidecar.openengine._grpclib_internals.recv_bounded`): over it, the call fails with
 :class:`~sidecar.openengine.errors.EngineMessageTooLarge`.
 
 Decoding is CPU work proportional to the size (betterproto2: ~1 µs per byte): a message up to

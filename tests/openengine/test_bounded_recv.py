@@ -1,5 +1,5 @@
 """Every message from the engine over its bound is refused from its length prefix, before it
-is read (sidecar/openengine/bounded_recv.py), against a real grpclib server: unary answers,
+is read (sidecar/openengine/_grpclib_internals.py: recv_bounded), against a real grpclib server: unary answers,
 Generate and Drain events, KV batches. What came before is delivered, the connection serves the
 next call, and a message at the bound passes."""
 
