@@ -14,6 +14,7 @@ from __future__ import annotations
 import struct
 
 from sidecar.openengine import pb
+from sidecar.openengine._betterproto2_internals import unknown_fields
 
 _DOUBLE = struct.Struct("<d").pack
 _MASK64 = (1 << 64) - 1
@@ -41,7 +42,7 @@ def _message(tag: int, body: bytes) -> bytes:
 
 
 def _sampling(s: pb.SamplingParams) -> bytes:
-    if s._unknown_fields:
+    if unknown_fields(s):
         raise ValueError
     out = bytearray()
     for tag, value in (
@@ -68,7 +69,7 @@ def _sampling(s: pb.SamplingParams) -> bytes:
 
 
 def _stopping(s: pb.StoppingOptions) -> bytes:
-    if s._unknown_fields:
+    if unknown_fields(s):
         raise ValueError
     out = bytearray()
     if s.max_tokens is not None:
@@ -76,7 +77,7 @@ def _stopping(s: pb.StoppingOptions) -> bytes:
     if s.min_tokens is not None:
         out += b"\x10" + _varint(s.min_tokens)
     for cond in s.conditions:
-        if cond._unknown_fields:
+        if unknown_fields(cond):
             raise ValueError
         if cond.stop_text is not None:
             body = _text(0x0A, cond.stop_text)
@@ -101,7 +102,7 @@ def encode_generate_request(r: pb.GenerateRequest) -> bytes | None:
         or r.media
         or r.extra is not None
         or r.media_options is not None
-        or r._unknown_fields
+        or unknown_fields(r)
     ):
         return None
     try:
@@ -114,7 +115,7 @@ def encode_generate_request(r: pb.GenerateRequest) -> bytes | None:
             out += _text(0x1A, r.prompt)
         elif r.token_ids is not None:
             t = r.token_ids
-            if t._unknown_fields:
+            if unknown_fields(t):
                 return None
             ids = b"".join(_varint(i) for i in t.ids)
             out += _message(0x22, _message(0x0A, ids) if ids else b"")

@@ -4,8 +4,12 @@ sidecar uses, and the behaviour relied on. A release that renames or changes the
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import betterproto2
 
+from sidecar.openengine import _betterproto2_internals as internals
 from sidecar.openengine import pb
 from sidecar.openengine._betterproto2_internals import (
     fields,
@@ -48,3 +52,16 @@ def test_set_unknown_fields_are_written_verbatim() -> None:
     set_unknown_fields(kv, raw)
     assert bytes(kv) == bytes(pb.KvOptions(cache_salt="x")) + raw
     assert unknown_fields(pb.KvOptions()) == b""
+
+
+def test_no_other_module_names_a_betterproto2_internal() -> None:
+    """``_unknown_fields`` and ``_betterproto`` are read and written through this module only."""
+    root = Path(internals.__file__).parents[1]
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "_betterproto2_internals.py" or "_generated" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and node.attr in ("_unknown_fields", "_betterproto"):
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert found == [], found
