@@ -19,8 +19,10 @@ exist), and :func:`read_token` for token files.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
+import re
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
@@ -137,6 +139,34 @@ class ListenAddressType(click.ParamType):
         return text
 
 
+_LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
+
+
+class HostName(click.ParamType):
+    """A host to bind or advertise: an IP address (IPv6 with or without brackets), ``*``, or a
+    DNS name; no scheme, port or spaces. ``empty_ok``: an empty value (the flag's default) too."""
+
+    name = "host"
+
+    def __init__(self, *, empty_ok: bool = False) -> None:
+        self.empty_ok = empty_ok
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        text = str(value).strip()
+        bare = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+        if (not text and self.empty_ok) or bare == "*":
+            return text
+        try:
+            ipaddress.ip_address(bare)
+            return text
+        except ValueError:
+            pass
+        labels = bare.removesuffix(".").split(".")
+        if bare and len(bare) <= 253 and all(_LABEL.fullmatch(label) for label in labels):
+            return text
+        self.fail(f"{text!r}: expected an IP address or a host name", param, ctx)
+
+
 class EngineAddressType(click.ParamType):
     """An OpenEngine engine address: ``host:port``, ``http://host:port`` or ``unix:///path``."""
 
@@ -161,10 +191,12 @@ ENGINE_ADDRESS = EngineAddressType()
 
 class NewFile(click.Path):
     """A file the command writes: its directory must exist (checked before anything starts).
-    ``-`` (stdout) when ``allow_dash``."""
+    ``-`` (stdout) when ``allow_dash``; ``create_dirs``: a missing directory is created later, so
+    the nearest existing one must be a writable directory instead."""
 
-    def __init__(self, *, allow_dash: bool = False) -> None:
-        super().__init__(dir_okay=False, allow_dash=allow_dash)
+    def __init__(self, *, allow_dash: bool = False, create_dirs: bool = False, **kw: Any) -> None:
+        super().__init__(dir_okay=False, allow_dash=allow_dash, **kw)
+        self.create_dirs = create_dirs
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         rv = super().convert(value, param, ctx)
@@ -172,11 +204,41 @@ class NewFile(click.Path):
         if text == "-" and self.allow_dash:
             return rv
         directory = os.path.dirname(os.path.abspath(text))
+        if self.create_dirs:
+            _check_creatable(self, directory, text, param, ctx)
+            return rv
         if not os.path.isdir(directory):
             self.fail(f"{text!r}: directory {directory!r} does not exist", param, ctx)
         if not os.access(directory, os.W_OK | os.X_OK):
             self.fail(f"{text!r}: directory {directory!r} is not writable", param, ctx)
         return rv
+
+
+class NewDir(click.Path):
+    """A directory the command creates (or reuses): the nearest existing one on its path must be a
+    writable directory (checked before anything starts)."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(file_okay=False, **kw)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        rv = super().convert(value, param, ctx)
+        text = os.fsdecode(rv)
+        _check_creatable(self, os.path.abspath(text), text, param, ctx)
+        return rv
+
+
+def _check_creatable(
+    kind: click.ParamType, directory: str, text: str, param: click.Parameter | None, ctx: click.Context | None
+) -> None:
+    """``directory`` exists as a writable directory, or can be made in its nearest existing one."""
+    existing = directory
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        kind.fail(f"{text!r}: {existing!r} is not a directory", param, ctx)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        kind.fail(f"{text!r}: directory {existing!r} is not writable", param, ctx)
 
 
 #: An existing, readable file.

@@ -30,7 +30,7 @@ from sidecar.bench import analysis, machine, procs, report
 from sidecar.bench.config import OPTIONAL_SCENARIOS, SCENARIOS, BenchConfig
 from sidecar.bench.pb2 import Pb2Unavailable, generate_pb2
 from sidecar.bench.scenarios import RUNNERS, Bench
-from sidecar.cli_options import command_option
+from sidecar.cli_options import NewDir, NewFile, command_option
 
 #: Where results go by default (git-ignored).
 DEFAULT_OUT = Path("bench-results") / "bench-results.json"
@@ -173,7 +173,7 @@ def _write(path: Path, doc: dict[str, Any], started: float) -> dict[str, Any]:
 @_opt("--quick", is_flag=True, help="Tiny sizes: every scenario in seconds (smoke run).")
 @_opt(
     "--out",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=NewFile(create_dirs=True, path_type=Path),
     default=DEFAULT_OUT,
     show_default=True,
     help="Results (JSON); its directory is created.",
@@ -225,7 +225,7 @@ def _write(path: Path, doc: dict[str, Any], started: float) -> dict[str, Any]:
 @_opt(
     "--profile",
     "profile_dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=NewDir(path_type=Path),
     default=None,
     help="Also profile (py-spy) the sidecar during one extra round of relay, short and burst, and the "
     "Dynamo workers during one extra dynamo round each; write the collapsed stacks here.",

@@ -88,7 +88,7 @@ _OPTIONS = [
     ),
     option(
         "--dynamo-model-path",
-        type=click.Path(file_okay=False),
+        type=click.Path(exists=True, file_okay=False),
         default=None,
         help="Local model/tokenizer directory to register (default: the engine's tokenizer source).",
     ),

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import click
 
-from sidecar.cli_options import option
+from sidecar.cli_options import HostName, option
 from sidecar.kvbridge.errors import KvConfigError
 from sidecar.kvbridge.ingest_limits import IngestLimits
 from sidecar.kvbridge.replay_server import ReplayLimits
@@ -138,6 +138,7 @@ _OPTIONS = [
     ),
     option(
         "--kv-advertise-host",
+        type=HostName(),
         default=None,
         help="Host to report in the worker card for the KV endpoints (when binding a wildcard).",
     ),

@@ -12,6 +12,8 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import zmq
+
 from sidecar.mock.config import EngineConfig
 from sidecar.mock.engine import MockEngine
 from sidecar.mock.kvevents import ZmqKvEvents
@@ -49,6 +51,11 @@ class ServingInfo:
         }
 
 
+class BindError(OSError):
+    """A listener besides the gRPC one (KV publisher, KV transfer) could not be bound; the
+    message names its flags."""
+
+
 @contextlib.asynccontextmanager
 async def open_engine(
     config: EngineConfig, *, exit_process: Callable[[int], None] | None = None
@@ -57,8 +64,8 @@ async def open_engine(
 
     Resources: the gRPC listener, ZMQ publisher/replay sockets (zmq transport), the KV
     transfer listener (prefill role), an optional ``--kv-log`` file. All are closed on
-    exit, the gRPC server first (its handlers are cancelled). Raises OSError /
-    zmq.ZMQError when an address cannot be bound.
+    exit, the gRPC server first (its handlers are cancelled). Raises :class:`BindError` when the
+    KV publisher or the transfer listener cannot be bound, OSError when the gRPC address cannot.
     """
     transport = config.kv_events_transport
     kv_options = config.faults.kv_options()
@@ -77,7 +84,11 @@ async def open_engine(
                 buffer_steps=config.kv_buffer_steps,
                 faults=faults,
             )
-            await stack.enter_async_context(sink)
+            try:
+                await stack.enter_async_context(sink)
+            except (OSError, zmq.ZMQError) as err:
+                where = f"--kv-host {config.kv_host} --kv-port {config.kv_port}"
+                raise BindError(f"{where}: cannot bind the KV event publisher: {err}") from None
         elif transport == "grpc":
             grpc_sink = GrpcKvEvents(
                 range(config.dp_size), buffer_steps=config.kv_buffer_steps, faults=faults
@@ -93,7 +104,11 @@ async def open_engine(
                 bootstrap_timeout=config.bootstrap_timeout_s,
                 protocol="tcp",
             )
-            await stack.enter_async_context(transfer)
+            try:
+                await stack.enter_async_context(transfer)
+            except OSError as err:
+                where = f"--transfer-host {config.transfer_host} --transfer-port {config.transfer_port}"
+                raise BindError(f"{where}: cannot listen for KV transfers: {err.strerror or err}") from None
         engine = MockEngine(
             config, kv_sink=sink, ground_truth=ground_truth, transfer=transfer, exit_process=exit_process
         )

@@ -24,8 +24,8 @@ from typing import Any
 
 import click
 
-from sidecar.cli_options import COUNT, ListenAddressType, NewFile, command_option, env_name
-from sidecar.mock.app import ServingInfo, serve_engine
+from sidecar.cli_options import COUNT, HostName, ListenAddressType, NewFile, command_option, env_name
+from sidecar.mock.app import BindError, ServingInfo, serve_engine
 from sidecar.mock.config import FLAVORS, ROLES, SCHEMA_NAMES, EngineConfig
 from sidecar.mock.faults import FaultSpecError, parse_faults
 from sidecar.mock.schemas import RELEASE_FORMS
@@ -109,7 +109,13 @@ def write_ready(path: str, info: ServingInfo) -> None:
     show_default=True,
     help="How KV cache events are published (auto: the flavour's way).",
 )
-@_opt("--kv-host", default="127.0.0.1", show_default=True, help="Bind host of the ZMQ KV publishers.")
+@_opt(
+    "--kv-host",
+    type=HostName(),
+    default="127.0.0.1",
+    show_default=True,
+    help="Bind host of the ZMQ KV publishers.",
+)
 @_opt("--kv-port", type=click.IntRange(0, 65535), default=0, show_default=True, help="Base port; 0 = any.")
 @_opt(
     "--kv-event-format",
@@ -124,7 +130,13 @@ def write_ready(path: str, info: ServingInfo) -> None:
     default=None,
     help="Append every KV event batch (ground truth) to this JSON-lines file.",
 )
-@_opt("--transfer-host", default="127.0.0.1", show_default=True, help="Prefill's KV transfer listener.")
+@_opt(
+    "--transfer-host",
+    type=HostName(),
+    default="127.0.0.1",
+    show_default=True,
+    help="Prefill's KV transfer listener.",
+)
 @_opt(
     "--transfer-port", type=click.IntRange(0, 65535), default=0, show_default=True, help="Its port; 0 = any."
 )
@@ -239,6 +251,8 @@ def mock_engine(**kw: Any) -> None:
 
     try:
         asyncio.run(main())
+    except BindError as err:
+        raise click.ClickException(f"mock-engine: {err}") from None
     except OSError as err:
         raise click.ClickException(
             f"mock-engine: cannot serve on {config.listen}: {err.strerror or err}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -264,3 +265,27 @@ def test_rounds_option_sets_every_scenarios_rounds(quick: bool, monkeypatch: pyt
     )
     assert rounds == (2, 2, 2, 2, 2)
     assert config.short_concurrency == (4 if quick else 64)  # sizes untouched
+
+
+def test_table_cells_with_pipes_and_line_breaks_keep_the_columns() -> None:
+    """Issue 21 item 10: a ``|`` in a cell (a goal such as "p99 | p50") broke the Markdown columns."""
+    goals = [{"goal": "a | b", "value": 1.5, "unit": "ms", "target": "< 2\n(p99)", "met": True}]
+    lines = report.render_goals(goals).splitlines()
+    assert len(lines) == 3, lines  # header, rule, one row: the line break did not split the row
+    columns = {len([c for c in re.split(r"(?<!\\)\|", line)[1:-1]]) for line in lines}
+    assert columns == {4}, lines
+    assert "a \\| b" in lines[2] and "< 2 (p99)" in lines[2], lines
+
+
+def test_default_results_path_is_ignored_by_git() -> None:
+    from sidecar.bench.command import DEFAULT_OUT
+
+    root = Path(__file__).resolve().parents[2]
+    assert not DEFAULT_OUT.is_absolute() and DEFAULT_OUT.parts[0] == "bench-results"
+    ignored = subprocess.run(
+        ["git", "check-ignore", "--no-index", "-q", str(DEFAULT_OUT)],
+        cwd=root,
+        capture_output=True,
+        timeout=30,
+    )
+    assert ignored.returncode == 0, f"{DEFAULT_OUT} is not git-ignored"

@@ -20,7 +20,7 @@ from sidecar.cli import main
 from sidecar.cli_options import ENV_PREFIX
 from sidecar.logs import json_formatter, log_context
 from tests.cli.helpers import clean_env, cli, one_line_usage_error
-from tests.e2e.harness import spawn
+from tests.e2e.harness import eventually, mock_engine, sidecar, spawn
 
 
 def _commands() -> dict[str, click.Command]:
@@ -169,3 +169,28 @@ def test_json_record_carries_the_stream_ids() -> None:
         data["message"] == 'abort of r1 failed: "x"\n' and data["request_id"] == "r1" and data["stream"] == 7
     )
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+\+00:00", data["timestamp"]), data
+
+
+async def test_json_logs_of_a_served_stream_carry_its_ids(aio_loop: Any, tmp_path: Path) -> None:
+    """End to end: ``run --log-format json`` logs a record while serving a stream (the engine
+    breaks the stream rules: a token after the finish) with the stream's ``request_id`` and
+    ``stream`` as fields, next to timestamp, level, logger and message."""
+    with trio.fail_after(60):
+        async with (
+            mock_engine(tmp_path, "--fault", "token-after-finish") as engine,
+            sidecar(engine.address, "--no-kv-events", "--log-format", "json") as sc,
+        ):
+            done = await cli("generate", "--sidecar", sc.ws, "--max-tokens", "3", "hi")
+            assert done.code == 1, done.err
+
+            def stream_record() -> dict[str, Any] | None:
+                for record in _records(sc.proc.lines):
+                    if "request_id" in record:
+                        return record
+                return None
+
+            record = await eventually(stream_record, 10)
+    assert {"timestamp", "level", "logger", "message", "request_id", "stream"} <= record.keys(), record
+    assert record["level"] == "WARNING" and record["logger"].startswith("sidecar."), record
+    assert record["request_id"] in record["message"], record
+    assert all(json.loads(line) for line in sc.proc.lines if line.strip())  # every line one object

@@ -139,3 +139,23 @@ async def test_client_errors_name_the_cause_and_the_address(tmp_path: Path) -> N
     assert done.code == 1
     assert f"decode ws://127.0.0.1:{port + 1}/v1/ws: unreachable" in done.err, done.err
     assert f"prefill ws://127.0.0.1:{port}/v1/ws: unreachable" in done.err, done.err
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--kv-host", "192.0.2.1"], "--kv-host 192.0.2.1 --kv-port 0: cannot bind the KV event publisher"),
+        (
+            ["--role", "prefill", "--transfer-host", "192.0.2.1"],
+            "--transfer-host 192.0.2.1 --transfer-port 0: cannot listen for KV transfers",
+        ),
+    ],
+    ids=["kv-host", "transfer-host"],
+)
+async def test_mock_engine_bind_failures_name_the_flag(tmp_path: Path, args: list[str], needle: str) -> None:
+    """192.0.2.1 (TEST-NET-1) is no local address: the bind fails. It was a 58-line traceback
+    (the KV publisher) or blamed on --listen (the transfer listener)."""
+    done = await cli("mock-engine", "--listen", f"unix://{tmp_path}/e.sock", *args)
+    assert done.code == 1, done.err
+    assert len(done.err_lines) == 1 and needle in done.err_lines[0], done.err
+    assert "ready" not in done.err, done.err

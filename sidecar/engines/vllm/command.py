@@ -17,7 +17,7 @@ from typing import Any
 import click
 
 from sidecar.addresses import parse_listen
-from sidecar.cli_options import command_option, env_name
+from sidecar.cli_options import HostName, NewFile, command_option, env_name
 from sidecar.engines.vllm.config import VllmSettings
 
 ENV_PREFIX = env_name("--", "vllm-engine")[:-1]  # OPENENGINE_SIDECAR_VLLM_
@@ -83,7 +83,10 @@ def _block_size(_ctx: click.Context, _param: click.Parameter, value: int | None)
 @_opt("--seed", type=int, default=0, show_default=True, help="Engine-wide generation seed.")
 @_opt("--kv-events/--no-kv-events", default=True, show_default=True, help="vLLM's ZMQ KV event publisher.")
 @_opt(
-    "--kv-host", default="", help="Routable host advertised for the KV publisher (default: the listen host)."
+    "--kv-host",
+    type=HostName(empty_ok=True),
+    default="",
+    help="Routable host advertised for the KV publisher (default: the listen host).",
 )
 @_opt("--kv-port", type=click.IntRange(0, 65535), default=0, show_default=True, help="0 = any free port.")
 @_opt(
@@ -92,7 +95,12 @@ def _block_size(_ctx: click.Context, _param: click.Parameter, value: int | None)
 @_opt("--kv-topic", default="", help="ZMQ topic of the KV events.")
 @_opt("--kv-buffer-steps", type=click.IntRange(1), default=10_000, show_default=True, help="Replay buffer.")
 @_opt("--instance-id", default="", help="Instance id to report (default: derived from the listen address).")
-@_opt("--ready-file", default="", help="Write serving info (JSON) here once serving; '-' = stdout.")
+@_opt(
+    "--ready-file",
+    type=NewFile(allow_dash=True),
+    default=None,
+    help="Write serving info (JSON) here once serving; '-' = stdout.",
+)
 def vllm_engine(**kw: Any) -> None:
     """Serve stock vLLM (CPU build) as an OpenEngine v1 engine."""
     if importlib.util.find_spec("vllm") is None:
