@@ -3,6 +3,7 @@ item 8), not a connect timeout after ten seconds."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -25,3 +26,40 @@ async def test_wss_against_a_plain_port_says_tls(aio_loop: Any, tmp_path: Path) 
         f"error: cannot connect to {url}: TLS"
     ), done.err
     assert done.seconds < 5, done.seconds
+
+
+async def test_missing_token_says_401_and_the_address(aio_loop: Any, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    with trio.fail_after(60):
+        async with (
+            mock_engine(tmp_path) as engine,
+            sidecar(engine.address, "--no-kv-events", "--auth-token-file", str(token)) as sc,
+        ):
+            done = await cli("generate", "--sidecar", sc.ws, "hi")
+    assert done.code == 1
+    assert done.err_lines == [
+        f"error: cannot connect to {sc.ws}: 401 unauthorized: the sidecar wants a bearer token "
+        "(--auth-token-file); none or a wrong one was sent"
+    ], done.err
+
+
+async def test_a_silent_port_is_a_named_timeout(tmp_path: Path) -> None:
+    """A listener that never answers the WebSocket handshake: the bound and the address named."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()  # the kernel completes TCP handshakes; nothing ever answers
+        port = silent.getsockname()[1]
+        done = await cli(
+            "disagg",
+            "--prefill",
+            f"ws://127.0.0.1:{port}",
+            "--decode",
+            f"ws://127.0.0.1:{port}",
+            "--connect-timeout",
+            "1",
+            "hi",
+        )
+    assert done.code == 1, done.err
+    assert f"ws://127.0.0.1:{port}/v1/ws" in done.err and "within 1s" in done.err, done.err
+    assert done.seconds < 10, done.seconds
