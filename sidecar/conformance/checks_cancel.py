@@ -3,6 +3,12 @@
 "Running" is judged from the engine's own ``GetLoad`` (running + queued requests), so run
 the suite against an otherwise idle engine. A "long" request asks for many tokens with
 ``ignore_eos`` so it is still running when the check acts on it.
+
+How long the suite waits to *see* a long request running — its first token (``START_WITHIN``),
+then GetLoad counting it (``SEEN_WITHIN``) — is an observer's tolerance, not a rule: no
+contract bounds time to first token, a big model's prefill or a loaded host (a machine that
+stalls every process for seconds) can take a while. The rules' own bounds (freed within
+``FREE_WITHIN``, ended within ``END_WITHIN`` of an Abort) are unchanged by it.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ LIFECYCLE = spec_url("health-abort-and-drain")
 FREE_WITHIN = 1.0
 SETTLE = 0.2
 END_WITHIN = 3.0
+START_WITHIN = 15.0
+SEEN_WITHIN = 10.0
 SUCCESS = ("ABORTED", "ALREADY_FINISHED")
 
 
@@ -73,13 +81,16 @@ async def running_request(ctx: Context, label: str) -> AsyncIterator[tuple[LiveS
     req = await ctx.request(label, max_tokens=max_tokens, ignore_eos=True, session=session)
     async with ctx.open(req, label=label) as live:
         if session is None:
-            first = await live.until(("token", "finished", "error", "prefill_ready"), END_WITHIN)
+            first = await live.until(("token", "finished", "error", "prefill_ready"), START_WITHIN)
             if first is None or rules.kind(first) != "token":
-                raise Fail(f"a long request did not start streaming tokens: {live.record.summary()}")
-        if not await ctx.wait_busy(baseline, END_WITHIN):
+                raise Fail(
+                    f"a long request did not start streaming tokens within {START_WITHIN:g} s: "
+                    f"{live.record.summary()}"
+                )
+        if not await ctx.wait_busy(baseline, SEEN_WITHIN):
             raise Skip(
                 f"the long request ({max_tokens} tokens) never showed in GetLoad running/queued "
-                f"requests within {END_WITHIN:g} s (an engine this fast may have finished it first)"
+                f"requests within {SEEN_WITHIN:g} s (an engine this fast may have finished it first)"
             )
         yield live, baseline
 
