@@ -16,6 +16,7 @@ import shlex
 import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import pytest
 import trio
@@ -41,13 +42,27 @@ def _block_after(heading: str, contains: str) -> list[str]:
     raise AssertionError(f"README: no sh block with {contains!r} under {heading!r}")
 
 
+def _private_tmp(root: Path) -> str:
+    """Shell that mounts a private tmpfs on ``/tmp``, keeping ``root`` visible at its path when
+    it lives under ``/tmp`` (a checkout cloned there, as CI may: the tmpfs would hide it). The
+    old ``/tmp`` is reached through a temporary bind under ``/run``, unmounted and removed at once."""
+    if not root.is_relative_to("/tmp"):
+        return "mount -t tmpfs tmpfs /tmp"
+    rel = shlex.quote(str(root.relative_to("/tmp")))
+    return (
+        "k=$(mktemp -d /run/openengine-readme-XXXXXX) && mount --bind /tmp $k && "
+        f"mount -t tmpfs tmpfs /tmp && mkdir -p /tmp/{rel} && mount --bind $k/{rel} /tmp/{rel} && "
+        "umount $k && rmdir $k"
+    )
+
+
 @asynccontextmanager
 async def _namespaces() -> AsyncIterator[list[str]]:
     """A process holding new network and mount namespaces (loopback up, ``/tmp`` a private
     tmpfs); yields the ``nsenter`` prefix that runs a command in them."""
     require(os.geteuid() == 0, "needs root (unshare of network and mount namespaces)")
     unshare, nsenter, _ip = require_tool("unshare"), require_tool("nsenter"), require_tool("ip")
-    setup = "ip link set lo up && mount -t tmpfs tmpfs /tmp && echo ready && exec sleep infinity"
+    setup = f"ip link set lo up && {_private_tmp(ROOT)} && echo ready && exec sleep infinity"
     argv = [
         unshare,
         "--net",
