@@ -114,7 +114,8 @@ def burst_json(spec: dict[str, Any], cpu: Callable[[], dict[str, float]]) -> dic
                     await ws.send(json.dumps({"type": "generate", "stream": sid, "request": request}))
 
             await asyncio.gather(*(send(c) for c in range(nconn)))
-            await asyncio.wait_for(done.wait(), 120)
+            async with asyncio.timeout(120):
+                await done.wait()
             return release
 
         await one_burst(10**6)  # warm-up

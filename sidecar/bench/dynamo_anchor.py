@@ -121,7 +121,8 @@ class Anchor:
 
     async def _abort(self, rid: str) -> None:
         try:
-            await asyncio.wait_for(self.control.Abort(self.life.AbortRequest(request_id=rid)), ABORT_TIMEOUT)
+            async with asyncio.timeout(ABORT_TIMEOUT):
+                await self.control.Abort(self.life.AbortRequest(request_id=rid))
         except Exception as err:  # NOT_FOUND (it had finished), timeout: nothing more to do
             print(f"anchor: abort {rid}: {type(err).__name__}", file=sys.stderr)
 

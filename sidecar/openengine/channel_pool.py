@@ -438,8 +438,12 @@ class GeneratePool:
             protocol = await connect(slot.channel)
             seen = getattr(protocol, "settings_seen", None)
             if seen is not None and not seen.is_set():
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(seen.wait(), SETTINGS_WAIT)
+                # asyncio.timeout, never wait_for: Python 3.11's wait_for returns the result when
+                # a cancel arrives as the wait completes (the SETTINGS frame and the caller's
+                # cancel read in one wakeup), the cancel is lost and the stream opened anyway
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(SETTINGS_WAIT):
+                        await seen.wait()
             if protocol is not slot.protocol:
                 slot.protocol = protocol
                 peer = peer_stream_limit(protocol)

@@ -279,8 +279,9 @@ async def open_server(services: Iterable[Any], listen: str | ListenAddress) -> A
         yield running
     finally:
         running.close()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(running.wait_closed()), 5.0)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(5.0):
+                await asyncio.shield(running.wait_closed())
         if address.path is not None:
             with contextlib.suppress(FileNotFoundError):
                 if os.stat(address.path).st_ino == inode:  # still ours

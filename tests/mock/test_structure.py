@@ -25,7 +25,11 @@ def accepted(engine: MockEngine, rid: str) -> Request:
 
 
 def run(coro: Any) -> Any:
-    return asyncio.run(asyncio.wait_for(coro, 10))
+    async def bounded() -> Any:
+        async with asyncio.timeout(10):
+            return await coro
+
+    return asyncio.run(bounded())
 
 
 def test_wait_woken_ends_at_a_wake_or_at_its_bound() -> None:

@@ -14,6 +14,7 @@ import pytest
 import trio
 import trio_asyncio
 from h2.connection import H2Connection
+from h2.events import RemoteSettingsChanged
 
 from sidecar.mock.testing import mock_engine_in_process
 from sidecar.openengine import channel_pool, pb
@@ -196,6 +197,65 @@ async def test_cancel_resets_a_stream_on_an_extra_channel(server: RunningServer)
                 with trio.fail_after(0.1):
                     await trio_asyncio.aio_as_trio(seen.cancelled.wait)()
                 nursery.cancel_scope.cancel()
+
+
+async def test_a_cancel_arriving_with_the_settings_frame_cancels(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream's new connection waits for the engine's SETTINGS frame; a cancel delivered in the
+    event-loop step that frame is read in (on a loaded host both become readable in one wakeup)
+    must cancel: the request is never sent and the caller's block ends. A lost cancel opened the
+    stream anyway and the caller then waited on an engine stream nothing would end (a P/D decode
+    left open until its sidecar was killed, issue 22).
+
+    The timing is injected, not waited for: the connection holds what the engine sends until
+    the stream waits for SETTINGS, then delivers it as one read (an event-loop callback, as the
+    network does); a hook after the SETTINGS frame's processing cancels the caller's scope."""
+    stalled(server)  # one token, then a wait: a stream opened despite the cancel still ends
+    scope = trio.CancelScope()
+    made, data_received = channel_pool._PoolProtocol.connection_made, channel_pool._PoolProtocol.data_received
+
+    def connection_made(self: Any, transport: Any) -> None:
+        made(self, transport)
+        self.held, self.waiting, self.scheduled = [], False, False
+        wait = self.settings_seen.wait
+
+        async def waiting_for_settings() -> bool:
+            self.waiting = True
+            deliver_later(self)
+            return await wait()
+
+        self.settings_seen.wait = waiting_for_settings
+        self.add_event_hook(RemoteSettingsChanged, lambda event: scope.cancel())
+
+    def deliver_later(self: Any) -> None:
+        """Once the stream waits and something arrived: all of it, in one later callback."""
+        if self.waiting and self.held and not self.scheduled:
+            self.scheduled = True
+            asyncio.get_running_loop().call_soon(deliver, self)
+
+    def deliver(self: Any) -> None:
+        held, self.held = self.held, None
+        data_received(self, b"".join(held))
+
+    def holding(self: Any, data: bytes) -> None:
+        if self.held is None:
+            data_received(self, data)
+        else:
+            self.held.append(data)
+            deliver_later(self)
+
+    monkeypatch.setattr(channel_pool._PoolProtocol, "connection_made", connection_made)
+    monkeypatch.setattr(channel_pool._PoolProtocol, "data_received", holding)
+    with trio.fail_after(10):
+        async with open_engine_client(server.address, generate_channels=1) as client:
+            with scope:
+                async with client.generate(req("r")) as stream:
+                    async for _ in stream:
+                        raise AssertionError("an event after the cancel")
+            assert scope.cancelled_caught
+            assert client.generate_stream_count == 0
+            assert [s.request.request_id for s in server.engine.seen] == []
 
 
 async def test_pool_reconnects_after_engine_restart(aio_loop: Any, tmp_path: Any) -> None:

@@ -380,7 +380,8 @@ class VllmEngine:
                 _DRAIN_HEARTBEAT if deadline is None else max(0.0, min(_DRAIN_HEARTBEAT, deadline - now))
             )
             try:
-                await asyncio.wait_for(self.changed.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self.changed.wait()
             except TimeoutError:
                 pass
             if self.in_flight != last or not self.changed.is_set():
