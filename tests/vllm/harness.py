@@ -44,9 +44,16 @@ def require_vllm() -> None:
 
 
 def engine_env(tmp: Path) -> dict[str, str]:
-    """vLLM's caches under the test's directory, and quieter logs."""
+    """vLLM's caches under the test's directory, quieter logs, and its compute on CPU 0 only.
+
+    vLLM's CPU backend binds an OpenMP thread to every core by default: on this 2-core test
+    machine its inference then starved every other process — the test itself, the sidecar —
+    for up to 20 s (a test timed out waiting for a log line that was already there; a drain
+    finished before a late request could be sent). One core for the engine, one for the rest.
+    """
     return {
         **os.environ,
+        "VLLM_CPU_OMP_THREADS_BIND": "0",
         "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
         "VLLM_LOGGING_LEVEL": "WARNING",
         "PYTHONUNBUFFERED": "1",
