@@ -77,6 +77,11 @@ async def running_request(ctx: Context, label: str) -> AsyncIterator[tuple[LiveS
     baseline = await ctx.busy()
     if baseline is None:
         raise Skip("GetLoad does not report running_requests")
+    if baseline > 0:
+        # the previous check's request may still be on its way out (an Abort being carried
+        # out): a baseline counting it would hide the new request when it leaves
+        _freed, _took, now = await _settled(ctx, 0, SEEN_WITHIN)
+        baseline = now if now is not None else baseline
     max_tokens = 1 if session is not None else await ctx.long_max_tokens()
     req = await ctx.request(label, max_tokens=max_tokens, ignore_eos=True, session=session)
     async with ctx.open(req, label=label) as live:
