@@ -12,6 +12,7 @@ always bounded.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -29,6 +30,13 @@ from tests.e2e.harness import SIDECAR_READY, Proc, eventually, spawn, spawn_argv
 from tests.prereq import require_module
 
 MODEL = "Qwen/Qwen3-0.6B"
+
+#: The frontend's log line once its prefill router can forward: until then a P/D model is
+#: already listed but every request is answered 503 (Dynamo activates the router shortly
+#: after it discovers the prefill worker; CI hit that window).
+PREFILL_ACTIVATED = re.compile(r"Prefill router target activated")
+#: The frontend logs at the deployment's level, plus the activation line above.
+FRONTEND_LOG_EXTRA = "dynamo_llm::kv_router::prefill_router::activation=info"
 
 
 def require_dynamo() -> None:
@@ -67,6 +75,10 @@ class Frontend:
 
         await eventually(listed, timeout, interval=0.1)
 
+    async def wait_prefill_activated(self, timeout: float = 30) -> None:
+        """Until the frontend's prefill router forwards (P/D deployments; see PREFILL_ACTIVATED)."""
+        await self.proc.wait_for_line(PREFILL_ACTIVATED, timeout)
+
     async def complete(self, prompt: str, **body: Any) -> dict[str, Any]:
         resp = await self.http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, **body})
         assert resp.status_code == 200, resp.text
@@ -100,7 +112,9 @@ async def frontend(where: Path | Deployment, *args: str, port: int = 0) -> Async
         *dep.frontend_args(),
         *args,
     ]
-    async with spawn_argv(argv, dep.env()) as proc:
+    env = dep.env()
+    env["DYN_LOG"] = f"{env['DYN_LOG']},{FRONTEND_LOG_EXTRA}"
+    async with spawn_argv(argv, env) as proc:
         url = f"http://127.0.0.1:{port}"
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
             fe = Frontend(proc, url, http)

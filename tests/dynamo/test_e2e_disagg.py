@@ -43,6 +43,7 @@ async def test_prefill_decode_pair_serves_through_dynamo(
             assert sp.bound["dynamo"] == "dynamo.prefill.generate"
             assert sd.bound["dynamo"] == "dynamo.backend.generate"
             await fe.wait_models(MODEL)
+            await fe.wait_prefill_activated()
             texts = []
             for i in range(3):
                 body = await fe.complete(f"tell me {i} things", max_tokens=10, ignore_eos=True)

@@ -41,6 +41,7 @@ async def test_media_through_prefill_and_decode(
             frontend(etcd_deployment) as fe,
         ):
             await fe.wait_models(MODEL)
+            await fe.wait_prefill_activated()
             seen: dict[str, set[str]] = {prefill.address: set(), decode.address: set()}
 
             async def new_record(address: str) -> dict[str, Any]:
