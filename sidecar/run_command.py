@@ -66,7 +66,7 @@ from sidecar.north.http_server import HttpLimits, serve_http
 from sidecar.north.limit_options import apply_limit_options, http_limits, limit_options
 from sidecar.north.ws_server import WS_PATH, NorthPlane, WsConfig
 from sidecar.nursery import lone_exception
-from sidecar.openengine.client import open_engine_client
+from sidecar.openengine.client import DEFAULT_TRANSPORT, TRANSPORTS, open_engine_client
 
 log = logging.getLogger("sidecar.run")
 
@@ -92,7 +92,12 @@ async def serve(
     """Run the sidecar until stopped (module doc); ``task_status.started(bound addresses)``."""
     async with (
         trio_asyncio.open_loop(),
-        open_engine_client(engine, keepalive=engine_keepalive(config), limits=config.engine_limits) as client,
+        open_engine_client(
+            engine,
+            keepalive=engine_keepalive(config),
+            limits=config.engine_limits,
+            transport=config.engine_transport,
+        ) as client,
     ):
         sidecar = Sidecar(client, config)
         metrics.ENGINE_CHANNELS.set_function(
@@ -404,6 +409,13 @@ async def _watchdog(interval: float) -> None:
     help="Close an engine connection whose PING is not answered within this long.",
 )
 @option(
+    "--engine-transport",
+    type=click.Choice(TRANSPORTS),
+    default=DEFAULT_TRANSPORT,
+    show_default=True,
+    help="How Generate streams travel to the engine: grpclib on the asyncio loop, or trio-native HTTP/2 on the h2 library (control calls always use grpclib).",
+)
+@option(
     "--abort-timeout",
     type=SECONDS,
     default=2.0,
@@ -513,6 +525,7 @@ def run(**opts: Any) -> None:
         call_timeout=opts["call_timeout"],
         keepalive_interval=opts["engine_keepalive_interval"],
         keepalive_timeout=opts["engine_keepalive_timeout"],
+        engine_transport=opts["engine_transport"],
         load_interval=opts["load_interval"],
         lora_root=opts["lora_root"],
         lifecycle=LifecycleConfig(

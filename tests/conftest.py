@@ -1,13 +1,27 @@
-"""Shared fixtures."""
+"""Shared fixtures.
+
+``OPENENGINE_SIDECAR_ENGINE_TRANSPORT=trio`` runs the whole session on the trio-native Generate
+transport: the sidecars the tests start read it as ``run --engine-transport``, and the engine
+clients the tests open in-process take it as their default.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 
 import pytest
 import trio_asyncio
 
+from sidecar.openengine import client as engine_client
+
 from tests.openengine.fake_grpc_engine import FakeGrpcEngine, RunningServer
+
+#: The run's Generate transport (module doc).
+TRANSPORT = os.environ.get("OPENENGINE_SIDECAR_ENGINE_TRANSPORT") or engine_client.DEFAULT_TRANSPORT
+if TRANSPORT not in engine_client.TRANSPORTS:
+    raise pytest.UsageError(f"OPENENGINE_SIDECAR_ENGINE_TRANSPORT={TRANSPORT!r}: not one of {engine_client.TRANSPORTS}")
+engine_client.DEFAULT_TRANSPORT = TRANSPORT
 
 
 @pytest.fixture

@@ -68,6 +68,9 @@ class SidecarConfig:
     #: HTTP/2 PING liveness of the engine connections (``--engine-keepalive-*``; 0: off).
     keepalive_interval: float = 10.0
     keepalive_timeout: float = 10.0
+    #: How Generate streams travel to the engine (``--engine-transport``:
+    #: ``sidecar.openengine.client.TRANSPORTS``; None: the client's default).
+    engine_transport: str | None = None
     reconnect_initial: float = 0.1
     reconnect_max: float = 5.0
     drain_timeout: float = 20.0

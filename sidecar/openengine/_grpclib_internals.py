@@ -60,6 +60,7 @@ __all__ = [
     "ClientProtocol",
     "DecodeLarge",
     "advertise_max_concurrent_streams",
+    "bound_closed_streams",
     "channel_protocol",
     "closed_streams",
     "connect",
@@ -103,8 +104,7 @@ class ClientProtocol(H2Protocol):
         self.transport = transport
         super().connection_made(transport)
         if self._closed_streams_kept is not None:
-            closed: Any = self.h2()._closed_streams  # h2's SizeLimitDict
-            closed._size_limit = self._closed_streams_kept
+            bound_closed_streams(self.h2(), self._closed_streams_kept)
         seen = self.settings_seen
         self.add_event_hook(RemoteSettingsChanged, lambda event: seen.set())
 
@@ -180,6 +180,13 @@ def closed_streams(protocol: ClientProtocol) -> tuple[int, int]:
     many it may (h2's ``SizeLimitDict``)."""
     closed: Any = protocol.h2()._closed_streams
     return len(closed), int(closed._size_limit)
+
+
+def bound_closed_streams(connection: H2Connection, kept: int) -> None:
+    """Make an h2 connection remember at most ``kept`` closed stream ids (h2's
+    ``_closed_streams``, a ``SizeLimitDict``; used by :mod:`sidecar.openengine.trio_h2`)."""
+    closed: Any = connection._closed_streams
+    closed._size_limit = kept
 
 
 def server_port(server: grpclib.server.Server) -> int | None:
@@ -271,6 +278,7 @@ def missing_internals() -> list[str]:
         (H2Protocol, "connection_made"),
         (H2Protocol, "connection_lost"),
         (H2Connection, "DEFAULT_MAX_HEADER_LIST_SIZE"),
+        (H2Connection(), "_closed_streams"),
         (Stream, "recv_initial_metadata"),
         (grpclib.protocol.Connection, "messages_received"),
         (grpclib.protocol.Connection, "last_message_received"),

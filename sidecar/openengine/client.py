@@ -51,6 +51,7 @@ from sidecar.openengine.channel_pool import GeneratePool, Keepalive, SettingsAwa
 from sidecar.openengine.errors import (
     STATUS_TO_CODE,
     EngineClientError,
+    EngineConfigError,
     EngineProtocolError,
     EngineStatusError,
     EngineUnavailable,
@@ -60,8 +61,18 @@ from sidecar.openengine.fastencode import encode_generate_request
 from sidecar.openengine.message_limits import EngineLimits, run_sized
 from sidecar.openengine.rawfields import nested_field_bytes
 from sidecar.openengine.stream_rules import DrainRules, GenerateRules, KvEventRules
+from sidecar.openengine.trio_generate import CallSource, RequestHead
+from sidecar.openengine.trio_generate import call_error as trio_call_error
+from sidecar.openengine.trio_h2 import CallError
+from sidecar.openengine.trio_pool import ConnectionPool
 
-__all__ = ["EngineClient", "EngineStream", "Keepalive", "open_engine_client"]
+__all__ = ["TRANSPORTS", "EngineClient", "EngineStream", "Keepalive", "open_engine_client"]
+
+#: Generate transports (``run --engine-transport``): grpclib on the trio-asyncio loop, or the
+#: trio-native HTTP/2 connection on the h2 library (:mod:`sidecar.openengine.trio_h2`).
+TRANSPORTS = ("grpclib", "trio")
+#: The transport of a client opened without one (tests may set it for a whole run).
+DEFAULT_TRANSPORT = "grpclib"
 
 MetadataLike = Mapping[str, str] | Collection[tuple[str, str]]
 T = TypeVar("T")
@@ -268,8 +279,14 @@ class EngineClient:
         idle_channel_close: float = 5.0,
         keepalive: Keepalive | None = None,
         limits: EngineLimits | None = None,
+        transport: str | None = None,
     ) -> None:
         self.address = address
+        self.transport = transport or DEFAULT_TRANSPORT
+        if self.transport not in TRANSPORTS:
+            raise EngineConfigError(
+                f"engine transport {self.transport!r}: expected one of {', '.join(TRANSPORTS)}"
+            )
         self._keepalive = keepalive
         self.limits = limits or EngineLimits()
         self._decode_limiter = trio.CapacityLimiter(self.limits.decode_threads)
@@ -283,16 +300,49 @@ class EngineClient:
             max_channels=max_generate_channels,
             idle_close=idle_channel_close,
         )
+        self._pool_options: dict[str, Any] = {
+            "min_connections": generate_channels,
+            "max_streams_per_connection": max_streams_per_channel,
+            "max_connections": max_generate_channels,
+            "idle_close": idle_channel_close,
+            "connection_options": {
+                "keepalive": keepalive,
+                "max_message": self.limits.max_event_bytes,
+                "stream_window": _CHANNEL_CONFIG.http2_stream_window_size,
+                "conn_window": _CHANNEL_CONFIG.http2_connection_window_size,
+            },
+        }
+        self._trio_pool: ConnectionPool | None = None  # --engine-transport trio (``_start``)
+        authority = "localhost" if address.path is not None else f"{address.host}:{address.port}"
+        self._generate_head = RequestHead(authority, _INFERENCE + "Generate")
         self._closed = False
+
+    def _start(self, nursery: trio.Nursery) -> None:
+        """Give the client the nursery its trio-native Generate connections run in."""
+        if self.transport == "trio":
+            self._trio_pool = ConnectionPool(
+                self._connect, nursery, name=str(self.address), **self._pool_options
+            )
+
+    async def _connect(self) -> trio.abc.Stream:
+        a = self.address
+        if a.path is not None:
+            return await trio.open_unix_socket(a.path)
+        assert a.host is not None and a.port is not None
+        return await trio.open_tcp_stream(a.host, a.port)
 
     @property
     def generate_channel_count(self) -> int:
         """HTTP/2 connections in the Generate pool (for metrics)."""
+        if self._trio_pool is not None:
+            return self._trio_pool.channel_count
         return self._generate.channel_count
 
     @property
     def generate_stream_count(self) -> int:
         """Generate streams holding a place in the pool (for metrics)."""
+        if self._trio_pool is not None:
+            return self._trio_pool.stream_count
         return self._generate.stream_count
 
     # -- channels (asyncio side only) -------------------------------------------------
@@ -325,6 +375,9 @@ class EngineClient:
         """One HTTP/2 PING now on every open connection (with a keepalive): a connection whose
         PING goes unanswered within the keepalive timeout is aborted, failing its streams.
         Used when the engine stops answering ``Health`` (channel_pool module doc)."""
+        if self._trio_pool is not None:
+            for conn in self._trio_pool.connections():
+                conn.ping()
         channels = [c for c in (self._control, self._kv, *self._generate.channels()) if c is not None]
 
         async def probe() -> None:
@@ -338,6 +391,8 @@ class EngineClient:
         if self._closed:
             return
         self._closed = True
+        if self._trio_pool is not None:
+            self._trio_pool.close()
         channels = [c for c in (self._control, self._kv, *self._generate.close()) if c is not None]
         self._control = self._kv = None
 
@@ -511,6 +566,50 @@ class EngineClient:
     async def _pick_generate(self) -> Picked:
         return await self._generate.acquire()
 
+    async def _decode_large_event(self, data: bytes) -> Any:
+        """(trio side) A large Generate event, decoded in a worker thread (``message_limits``)."""
+        codec = _Codec()
+        return await run_sized(
+            lambda raw: codec.decode(raw, pb.GenerateResponse),
+            data,
+            inline_max=0,
+            limiter=self._decode_limiter,
+        )
+
+    @asynccontextmanager
+    async def _trio_generate(
+        self, request: pb.GenerateRequest, rules: _Rules[pb.GenerateResponse], metadata: MetadataLike | None
+    ) -> AsyncIterator[EngineStream[pb.GenerateResponse]]:
+        """A Generate stream on the trio-native transport (:mod:`sidecar.openengine.trio_generate`).
+        Entering never fails: a call that cannot start fails at the first ``async for`` step."""
+        headers = self._generate_head.headers(_timeout(), _metadata(metadata))
+        body = encode_generate_request(request) or bytes(request)
+        call = release = failure = None
+        try:
+            if self._trio_pool is None:
+                raise CallError("engine client is closed or was not opened by open_engine_client", lost=True)
+            conn, release = await self._trio_pool.acquire()
+            call = conn.start_call(headers, body)
+        except CallError as err:
+            failure = trio_call_error(err)
+        codec = _Codec()
+        source = CallSource(
+            call,
+            failure,
+            partial(codec.decode, message_type=pb.GenerateResponse),
+            self._decode_large_event,
+            self.limits.decode_inline_bytes,
+        )
+        stream: EngineStream[pb.GenerateResponse] = EngineStream(source, rules, request.request_id)  # type: ignore[arg-type]
+        source.stream = stream
+        try:
+            yield stream
+        finally:
+            if call is not None:
+                call.cancel()
+            if release is not None:
+                release()
+
     def generate(
         self, request: pb.GenerateRequest, *, metadata: MetadataLike | None = None, checked: bool = True
     ) -> AbstractAsyncContextManager[EngineStream[pb.GenerateResponse]]:
@@ -521,6 +620,8 @@ class EngineClient:
         stream rules — every message as the engine sent it, an ``EngineError`` event yielded
         like any other; status and transport errors still raise."""
         rules: _Rules[pb.GenerateResponse] = GenerateRules.for_request(request) if checked else _NoRules()
+        if self.transport == "trio":
+            return self._trio_generate(request, rules, metadata)
         return self._server_stream(
             _INFERENCE + "Generate",
             request,
@@ -581,6 +682,7 @@ async def open_engine_client(
     idle_channel_close: float = 5.0,
     keepalive: Keepalive | None = None,
     limits: EngineLimits | None = None,
+    transport: str | None = None,
 ) -> AsyncIterator[EngineClient]:
     """An :class:`EngineClient` for ``address`` (``host:port``, ``http://host:port``, ``unix:///path``).
 
@@ -590,7 +692,9 @@ async def open_engine_client(
     (below the engine's own advertised cap); ``max_generate_channels`` bounds the pool;
     extra channels are closed ``idle_channel_close`` seconds after their last stream ended;
     ``keepalive`` checks every connection's liveness with HTTP/2 PINGs (channel_pool module doc).
-    ``limits`` bounds every message received (:class:`EngineLimits`).
+    ``limits`` bounds every message received (:class:`EngineLimits`). ``transport``: how
+    Generate streams travel (:data:`TRANSPORTS`; default :data:`DEFAULT_TRANSPORT`); control
+    calls, Drain and KV-event streams always use grpclib.
     """
     addr = address if isinstance(address, EngineAddress) else parse_engine_address(address)
     client = EngineClient(
@@ -602,8 +706,15 @@ async def open_engine_client(
         idle_channel_close=idle_channel_close,
         keepalive=keepalive,
         limits=limits,
+        transport=transport,
     )
     try:
-        yield client
+        async with open_background_nursery() as nursery:
+            client._start(nursery)
+            try:
+                yield client
+            finally:
+                await client.aclose()
+                nursery.cancel_scope.cancel()
     finally:
         await client.aclose()

@@ -1,0 +1,663 @@
+"""A trio-native HTTP/2 connection to the engine carrying gRPC server-streaming calls (Generate),
+on the ``h2`` library's state machine (``--engine-transport trio``).
+
+Why (docs/PERFORMANCE.md, optimisation 13): per request, grpclib on the trio-asyncio loop costs
+an asyncio task, a trio task, a nursery and two loop hops. Here a connection is a plain trio
+object: one reader task and one writer task per connection; per call only a small
+:class:`Call` that the reader fills and the caller drains (no task, no loop hop). HTTP/2 framing,
+HPACK, flow-control accounting and the stream state machine are h2's
+(``h2.connection.H2Connection``); this module moves bytes and maps events to calls.
+
+:class:`TrioH2Connection` (``await nursery.start(conn.run)``):
+
+- writes: h2 buffers frames; the writer task sends them after the current scheduler pass, so
+  frames queued together (a new call's HEADERS + DATA, many calls' frames, WINDOW_UPDATEs) leave
+  in one ``send``;
+- flow control: a call's bytes are acknowledged to h2 (which sends WINDOW_UPDATEs) at once while
+  the caller has less than ``stream_window`` bytes of messages waiting, else when it takes them:
+  a caller that stopped reading holds back only its own stream;
+- sizes: each message's gRPC length prefix is checked against ``max_message`` before the
+  message is buffered (over it: the stream is reset and the call fails ``too_large``);
+- the peer's SETTINGS (``peer_max_streams``) are read from h2; a GOAWAY fails the calls the
+  peer did not process (``lost``, retryable) and the connection takes no new call;
+- liveness (``keepalive``, the rules of :mod:`sidecar.openengine.channel_pool`): a PING when the
+  engine owes us frames and has sent no DATA/HEADERS for ``interval``, at most
+  ``PINGS_PER_SILENCE`` per silence; no answer within ``timeout`` closes the connection.
+
+Errors: a call fails with :class:`CallError` (``status`` for a gRPC status, ``lost`` for a
+reset stream or a lost connection). A peer that breaks HTTP/2 gets h2's GOAWAY and the
+connection closes. Cancellation: :meth:`Call.cancel` (synchronous, idempotent) queues
+RST_STREAM(CANCEL); the writer task (not the caller's) sends it, whatever the caller's scope.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import os
+from typing import Any
+from urllib.parse import unquote
+
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
+import h2.settings
+import trio
+
+from sidecar.openengine._grpclib_internals import bound_closed_streams
+from sidecar.openengine.channel_pool import CLOSED_STREAMS_KEPT, PINGS_PER_SILENCE, Keepalive
+
+log = logging.getLogger(__name__)
+
+#: Largest response header list (bytes, as HPACK counts them) we accept.
+MAX_HEADER_LIST = 64 * 1024
+#: Largest gRPC message a connection accepts unless told otherwise.
+MAX_MESSAGE = 4 * 1024 * 1024
+_CANCEL = 8  # HTTP/2 error code CANCEL
+_READ_SIZE = 256 * 1024
+
+# gRPC statuses used here (numbers: the gRPC spec)
+UNKNOWN, INTERNAL, UNIMPLEMENTED, UNAVAILABLE = 2, 13, 12, 14
+PERMISSION_DENIED, UNAUTHENTICATED = 7, 16
+#: HTTP status of a non-gRPC answer -> gRPC status (gRPC's http-grpc-status-mapping, as grpclib).
+HTTP_TO_GRPC = {
+    b"400": INTERNAL,
+    b"401": UNAUTHENTICATED,
+    b"403": PERMISSION_DENIED,
+    b"404": UNIMPLEMENTED,
+    b"429": UNAVAILABLE,
+    b"502": UNAVAILABLE,
+    b"503": UNAVAILABLE,
+    b"504": UNAVAILABLE,
+}
+
+
+class CallError(Exception):
+    """A call failed. ``status``: the gRPC status number (None when the stream or connection was
+    lost: ``lost`` True); ``message``: the engine's (or our) text; ``too_large``: the (announced
+    size, limit) of a message refused from its length prefix."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int | None = None,
+        *,
+        lost: bool = False,
+        too_large: tuple[int, int] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.lost = lost
+        self.too_large = too_large
+
+
+class _TooLarge(Exception):
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"engine message of {size} bytes exceeds the limit of {limit} bytes")
+        self.size, self.limit = size, limit
+
+
+class MessageReader:
+    """gRPC length-prefixed messages out of DATA payloads; the prefix is checked against
+    ``limit`` before the message's bytes are kept."""
+
+    __slots__ = ("_buf", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._buf = b""
+
+    @property
+    def pending(self) -> int:
+        """Bytes of an incomplete message held."""
+        return len(self._buf)
+
+    def feed(self, data: bytes) -> list[bytes]:
+        if self._buf:
+            data = self._buf + data
+        out = []
+        pos, n = 0, len(data)
+        while n - pos >= 5:
+            if data[pos]:
+                raise CallError("engine sent a compressed message (not negotiated)")
+            size = int.from_bytes(data[pos + 1 : pos + 5], "big")
+            if size > self.limit:
+                raise _TooLarge(size, self.limit)
+            end = pos + 5 + size
+            if end > n:
+                break
+            out.append(data[pos + 5 : end])
+            pos = end
+        self._buf = data[pos:] if pos < n else b""
+        return out
+
+
+class Call:
+    """One gRPC server-streaming call: :meth:`receive` its messages, then its end."""
+
+    __slots__ = (
+        "_body",
+        "_conn",
+        "_failure",
+        "_headers_seen",
+        "_messages",
+        "_queued",
+        "_reader",
+        "_unacked",
+        "_waiter",
+        "closed",
+        "id",
+        "status",
+    )
+
+    def __init__(self, conn: TrioH2Connection, stream_id: int, body: bytes) -> None:
+        self._conn = conn
+        self.id = stream_id
+        self._body = memoryview(body)  # request bytes not yet sent (flow control)
+        self._messages: collections.deque[bytes] = collections.deque()
+        self._queued = 0  # bytes of messages waiting for the caller
+        self._unacked = 0  # received bytes not yet acknowledged to h2 (the caller is behind)
+        self._reader = MessageReader(conn.max_message)
+        self._waiter: Any = None
+        self._failure: CallError | None = None
+        self._headers_seen = False
+        #: (status, message) once the engine ended the call with its trailers.
+        self.status: tuple[int, str] | None = None
+        #: Nothing more will be received or sent on this stream.
+        self.closed = False
+
+    async def receive(self) -> bytes | None:
+        """The next message; ``None`` once the call ended with status OK. Raises
+        :class:`CallError` (after the messages that came before it)."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            if self._messages:
+                msg = self._messages.popleft()
+                self._queued -= len(msg) + 5
+                if self._unacked and self._queued < self._conn.stream_window:
+                    n, self._unacked = self._unacked, 0
+                    self._conn._ack(self, n)
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                return msg
+            if self._failure is not None:
+                raise self._failure
+            if self.status is not None:
+                if self.status[0]:
+                    raise CallError(self.status[1], self.status[0])
+                return None
+            self._waiter = trio.lowlevel.current_task()
+
+            def abort(_: Any) -> Any:
+                self._waiter = None
+                return trio.lowlevel.Abort.SUCCEEDED
+
+            await trio.lowlevel.wait_task_rescheduled(abort)
+
+    def cancel(self) -> None:
+        """Stop the call: RST_STREAM(CANCEL) unless it already ended (idempotent, synchronous)."""
+        if not self.closed:
+            self._conn._reset(self, _CANCEL)
+
+    def _wake(self) -> None:
+        task, self._waiter = self._waiter, None
+        if task is not None:
+            trio.lowlevel.reschedule(task)
+
+    def _fail(self, failure: CallError) -> None:
+        if self._failure is None and self.status is None:
+            self._failure = failure
+        self._wake()
+
+
+def _headers(block: list[tuple[bytes, bytes]]) -> dict[bytes, bytes]:
+    return dict(block)
+
+
+def grpc_status(headers: dict[bytes, bytes]) -> tuple[int, str]:
+    """``(status, message)`` of a trailer block (a missing or bad ``grpc-status``: UNKNOWN)."""
+    raw = headers.get(b"grpc-status")
+    if raw is None:
+        return UNKNOWN, "Missing grpc-status header"
+    try:
+        status = int(raw)
+    except ValueError:
+        return UNKNOWN, f"Invalid grpc-status: {raw.decode('latin-1')!r}"
+    message = headers.get(b"grpc-message", b"")
+    if message:
+        return status, unquote(message.decode("latin-1"), encoding="utf-8", errors="replace")
+    return status, ""
+
+
+def response_problem(headers: dict[bytes, bytes]) -> tuple[int, str] | None:
+    """Why response headers are not a gRPC answer (``:status``, ``content-type``), or None."""
+    status = headers.get(b":status")
+    if status != b"200":
+        text = status.decode("latin-1") if status is not None else None
+        return HTTP_TO_GRPC.get(status or b"", UNKNOWN), f"Received :status = {text!r}"
+    ctype = headers.get(b"content-type")
+    if ctype is None:
+        return UNKNOWN, "Missing content-type header"
+    base, _, sub = ctype.partition(b"+")
+    if base != b"application/grpc" or (sub or b"proto") != b"proto":
+        return UNKNOWN, f"Invalid content-type: {ctype.decode('latin-1')!r}"
+    return None
+
+
+_H2_CONFIG = h2.config.H2Configuration(client_side=True, header_encoding=None)
+
+
+class TrioH2Connection:
+    """One HTTP/2 connection (module doc). Create, then ``await nursery.start(conn.run)``."""
+
+    def __init__(
+        self,
+        stream: trio.abc.Stream,
+        *,
+        stream_window: int = 64 * 1024,
+        conn_window: int = 16 * 1024 * 1024,
+        max_message: int = MAX_MESSAGE,
+        keepalive: Keepalive | None = None,
+        name: str = "engine",
+    ) -> None:
+        self._stream = stream
+        self.name = name
+        self.stream_window = stream_window
+        self.max_message = max_message
+        self.keepalive = keepalive
+        self.calls: dict[int, Call] = {}
+        self._h2 = h2.connection.H2Connection(config=_H2_CONFIG)
+        self._h2.local_settings = h2.settings.Settings(
+            client=True,
+            initial_values={
+                h2.settings.SettingCodes.ENABLE_PUSH: 0,
+                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: stream_window,
+                h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST,
+            },
+        )
+        bound_closed_streams(self._h2, CLOSED_STREAMS_KEPT)
+        self._conn_window = conn_window
+        self._writer: Any = None  # the writer task while it waits
+        self._out: list[bytes] = []  # bytes taken from h2 by the reader, sent before h2's next
+        self._want_write = False
+        self._sending: collections.deque[Call] = collections.deque()  # calls with body left
+        self.settings_seen = trio.Event()
+        self.peer_max_streams: int | None = None
+        self.goaway = False
+        self.failure: CallError | None = None
+        self.closed = trio.Event()
+        self._cancel = trio.CancelScope()
+        # liveness
+        self._last_data = 0.0
+        self._last_ping = 0.0
+        self._pings = 0  # acknowledged PINGs since the last DATA/HEADERS
+        self._started = 0  # calls started, and as many at the last DATA/HEADERS (``_owed``)
+        self._mark = 0
+        self._outstanding: bytes | None = None
+        self._ping_deadline = math.inf
+        self._kick = trio.Event()
+
+    @property
+    def usable(self) -> bool:
+        """New calls may start here (open, no GOAWAY)."""
+        return self.failure is None and not self.goaway
+
+    # -- the service ---------------------------------------------------------------------------
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve the connection until it closes (peer EOF, error, :meth:`close`); every call
+        still open then fails (``lost``). ``task_status.started()`` once our preface is queued."""
+        self._h2.initiate_connection()
+        if self._conn_window > 65_535:
+            self._h2.increment_flow_control_window(self._conn_window - 65_535)
+        self._last_data = trio.current_time()
+        try:
+            with self._cancel:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._write_loop)
+                    if self.keepalive is not None and self.keepalive.enabled:
+                        nursery.start_soon(self._liveness_loop)
+                    task_status.started()
+                    await self._read_loop()
+                    nursery.cancel_scope.cancel()
+        finally:
+            failure = self.failure or CallError("engine connection closed", lost=True)
+            self.failure = failure
+            for call in list(self.calls.values()):
+                call.closed = True
+                call._fail(failure)
+            self.calls.clear()
+            self._sending.clear()
+            self.settings_seen.set()
+            self.closed.set()
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
+                try:
+                    self._h2.close_connection()
+                except h2.exceptions.ProtocolError:
+                    pass  # already closed (GOAWAY either way)
+                try:
+                    await self._stream.send_all(self._h2.data_to_send())
+                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+                await self._stream.aclose()
+
+    def close(self, reason: str = "engine connection closed") -> None:
+        """Close now (synchronous): open calls fail (``lost``)."""
+        self._lost(CallError(reason, lost=True))
+        self._cancel.cancel()
+
+    def _lost(self, failure: CallError) -> None:
+        if self.failure is None:
+            self.failure = failure
+
+    # -- writing -------------------------------------------------------------------------------
+
+    def _flush_soon(self) -> None:
+        if not self._want_write:
+            self._want_write = True
+            task, self._writer = self._writer, None
+            if task is not None:
+                trio.lowlevel.reschedule(task)
+
+    async def _write_loop(self) -> None:
+        while True:
+            if not self._want_write:
+                self._writer = trio.lowlevel.current_task()
+
+                def abort(_: Any) -> Any:
+                    self._writer = None
+                    return trio.lowlevel.Abort.SUCCEEDED
+
+                await trio.lowlevel.wait_task_rescheduled(abort)
+            # let the tasks woken with us queue their frames too: one send for all of them
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            self._want_write = False
+            data = self._h2.data_to_send()
+            if self._out:
+                self._out.append(data)
+                data = b"".join(self._out)
+                self._out.clear()
+            if data:
+                try:
+                    await self._stream.send_all(data)
+                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as err:
+                    self.close(f"engine connection lost while sending ({type(err).__name__}: {err})")
+                    return
+
+    # -- calls ---------------------------------------------------------------------------------
+
+    def start_call(self, headers: list[tuple[bytes, bytes]], message: bytes) -> Call:
+        """Open a stream with ``headers`` and send ``message`` (one gRPC message, then
+        END_STREAM) as far as flow control allows now (the rest follows WINDOW_UPDATEs)."""
+        if not self.usable:
+            raise self.failure or CallError("engine connection is going away", lost=True)
+        conn = self._h2
+        try:
+            sid = conn.get_next_available_stream_id()
+            conn.send_headers(sid, headers)
+        except h2.exceptions.H2Error as err:
+            raise CallError(
+                f"engine connection refused a new stream ({type(err).__name__}: {err})", lost=True
+            ) from None
+        call = Call(self, sid, len(message).to_bytes(5, "big") + message)
+        self.calls[sid] = call
+        self._started += 1
+        self._send_body(call)
+        if call._body:
+            self._sending.append(call)
+        self._flush_soon()
+        return call
+
+    def _send_body(self, call: Call) -> None:
+        conn = self._h2
+        body = call._body
+        while body:
+            n = min(len(body), conn.local_flow_control_window(call.id), conn.max_outbound_frame_size)
+            if n <= 0:
+                break
+            chunk, body = body[:n], body[n:]
+            conn.send_data(call.id, chunk.tobytes(), end_stream=not body)
+        call._body = body
+
+    def _resume_sends(self) -> None:
+        for _ in range(len(self._sending)):
+            call = self._sending.popleft()
+            if call.closed:
+                continue
+            try:
+                self._send_body(call)
+            except h2.exceptions.H2Error:
+                continue  # the stream closed meanwhile
+            if call._body:
+                self._sending.append(call)
+
+    def _ack(self, call: Call, n: int) -> None:
+        """``n`` received bytes of ``call`` are consumed: give them back to the windows."""
+        try:
+            self._h2.acknowledge_received_data(n, call.id)
+        except h2.exceptions.H2Error:
+            return  # the connection is closing
+        self._flush_soon()
+
+    def _reset(self, call: Call, code: int) -> None:
+        """Reset ``call``'s stream (nothing more is received on it; the messages already
+        queued stay for the caller, then its failure)."""
+        if call.closed:
+            return
+        self._end(call)
+        if self.failure is None:
+            try:
+                self._h2.reset_stream(call.id, code)
+            except h2.exceptions.H2Error:
+                pass  # already closed on h2's side
+            self._flush_soon()
+        self._close_if_done()
+
+    def _end(self, call: Call) -> None:
+        call.closed = True
+        self.calls.pop(call.id, None)
+        if call._unacked:  # bytes the caller will not take: back to the connection window
+            n, call._unacked = call._unacked, 0
+            self._ack(call, n)
+
+    def _close_if_done(self) -> None:
+        """After a GOAWAY, the connection closes once its last call ended."""
+        if self.goaway and not self.calls:
+            self.close("the engine sent GOAWAY")
+
+    # -- reading -------------------------------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        receive = self._stream.receive_some
+        conn = self._h2
+        try:
+            while True:
+                data = await receive(_READ_SIZE)
+                if not data:
+                    self._lost(CallError("the engine closed the connection", lost=True))
+                    return
+                try:
+                    events = conn.receive_data(data)
+                except h2.exceptions.ProtocolError as err:
+                    log.warning("engine connection %s: %s; closing it", self.name, err)
+                    self._lost(CallError(f"the engine broke HTTP/2 ({type(err).__name__}: {err})", lost=True))
+                    return
+                for event in events:
+                    self._event(event)
+                out = conn.data_to_send()  # e.g. SETTINGS and PING acknowledgements
+                if out:
+                    self._out.append(out)
+                    self._flush_soon()
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as err:
+            self._lost(CallError(f"engine connection lost ({type(err).__name__}: {err})", lost=True))
+
+    def _event(self, event: Any) -> None:
+        kind = type(event)
+        if kind is h2.events.DataReceived:
+            self._on_data(event)
+        elif kind is h2.events.ResponseReceived:
+            self._on_response(event)
+        elif kind is h2.events.TrailersReceived:
+            self._on_trailers(event)
+        elif kind is h2.events.StreamEnded:
+            call = self.calls.get(event.stream_id)
+            if call is not None:  # END_STREAM without trailers
+                call._fail(CallError("Missing grpc-status header", UNKNOWN))
+                self._end(call)
+        elif kind is h2.events.StreamReset:
+            call = self.calls.get(event.stream_id)
+            if call is not None:
+                self._end(call)
+                code = event.error_code
+                call._fail(CallError(f"the engine reset the stream (HTTP/2 error {code!s})", lost=True))
+        elif kind is h2.events.WindowUpdated or kind is h2.events.RemoteSettingsChanged:
+            if kind is h2.events.RemoteSettingsChanged:
+                self.peer_max_streams = self._h2.remote_settings.max_concurrent_streams
+                self.settings_seen.set()
+            if self._sending:
+                self._resume_sends()
+        elif kind is h2.events.PingAckReceived:
+            if event.ping_data == self._outstanding:
+                self._outstanding = None
+                self._ping_deadline = math.inf
+                self._pings += 1
+        elif kind is h2.events.ConnectionTerminated:
+            self._on_goaway(event)
+        elif kind is h2.events.InformationalResponseReceived:
+            self._seen()
+
+    def _seen(self) -> None:
+        """The engine sent DATA or HEADERS: alive; the PING count starts again."""
+        self._last_data = trio.current_time()
+        self._pings = 0
+        self._mark = self._started
+
+    def _on_data(self, event: Any) -> None:
+        self._seen()
+        size = event.flow_controlled_length or 0
+        call = self.calls.get(event.stream_id)
+        if call is None:
+            self._ack_conn(size, event.stream_id)
+            return
+        try:
+            messages = call._reader.feed(event.data or b"")
+        except _TooLarge as err:
+            self._reset(call, _CANCEL)
+            self._ack_conn(size, call.id)
+            call._fail(CallError(str(err), too_large=(err.size, err.limit)))
+            return
+        except CallError as err:
+            self._reset(call, _CANCEL)
+            self._ack_conn(size, call.id)
+            call._fail(err)
+            return
+        if call._queued < self.stream_window:
+            self._ack(call, size)
+        else:
+            call._unacked += size
+        if messages:
+            for msg in messages:
+                call._queued += len(msg) + 5
+            call._messages.extend(messages)
+            call._wake()
+
+    def _ack_conn(self, size: int, stream_id: int) -> None:
+        if size:
+            try:
+                self._h2.acknowledge_received_data(size, stream_id)
+            except h2.exceptions.H2Error:
+                pass
+
+    def _on_response(self, event: Any) -> None:
+        self._seen()
+        call = self.calls.get(event.stream_id)
+        if call is None:
+            return
+        headers = _headers(event.headers)
+        call._headers_seen = True
+        problem = response_problem(headers)
+        if problem is not None:
+            if event.stream_ended is None:
+                self._reset(call, _CANCEL)
+            else:
+                self._end(call)
+            call._fail(CallError(problem[1], problem[0]))
+        elif event.stream_ended is not None:  # trailers-only
+            call.status = grpc_status(headers)
+            self._end(call)
+            call._wake()
+
+    def _on_trailers(self, event: Any) -> None:
+        self._seen()
+        call = self.calls.get(event.stream_id)
+        if call is None:
+            return
+        if call._reader.pending:
+            call._fail(CallError("the engine ended the stream inside a gRPC message", INTERNAL))
+        else:
+            call.status = grpc_status(_headers(event.headers))
+        self._end(call)
+        call._wake()
+
+    def _on_goaway(self, event: Any) -> None:
+        self.goaway = True
+        last = event.last_stream_id or 0
+        code = event.error_code
+        for sid in [s for s in self.calls if s > last]:
+            call = self.calls.pop(sid)
+            call.closed = True
+            call._fail(CallError(f"the engine is going away (GOAWAY, {code!s}): not processed", lost=True))
+        self._close_if_done()
+
+    # -- liveness ------------------------------------------------------------------------------
+
+    def _owed(self) -> bool:
+        """The engine owes us frames: a call is open, or one started since its last frame."""
+        return bool(self.calls) or self._started > self._mark
+
+    def ping(self) -> None:
+        """Send one PING now (unless one is outstanding); unanswered within the keepalive
+        timeout, the connection is closed."""
+        if self.failure is not None or self._outstanding is not None or self.keepalive is None:
+            return
+        payload = os.urandom(8)
+        try:
+            self._h2.ping(payload)
+        except h2.exceptions.H2Error:
+            return
+        self._outstanding = payload
+        self._last_ping = trio.current_time()
+        self._ping_deadline = self._last_ping + self.keepalive.timeout
+        self._flush_soon()
+        self._kick.set()
+
+    async def _liveness_loop(self) -> None:
+        assert self.keepalive is not None
+        interval, on_dead = self.keepalive.interval, self.keepalive.on_dead
+        while True:
+            now = trio.current_time()
+            wake = min(max(self._last_data, self._last_ping) + interval, self._ping_deadline)
+            if now < wake:
+                self._kick = trio.Event()
+                with trio.move_on_at(wake):
+                    await self._kick.wait()
+                continue
+            if now >= self._ping_deadline:
+                log.warning(
+                    "engine connection %s: no PING answer in %gs; closing it (a hung engine or a dead path)",
+                    self.name,
+                    self.keepalive.timeout,
+                )
+                if on_dead is not None:
+                    on_dead()
+                self.close("the engine did not answer a PING in time")
+                return
+            if self._outstanding is None and self._pings < PINGS_PER_SILENCE and self._owed():
+                self.ping()
+            else:
+                self._last_ping = now  # quiet again for an interval
+
+
+__all__ = ["MAX_MESSAGE", "Call", "CallError", "TrioH2Connection"]

@@ -1,0 +1,233 @@
+"""The Generate connection pool of ``--engine-transport trio``: trio-native HTTP/2 connections
+(:mod:`sidecar.openengine.trio_h2`) added and removed with the number of streams.
+
+The rules are those of the grpclib pool (:mod:`sidecar.openengine.channel_pool`):
+
+- ``min_connections`` connections are kept for the pool's life (opened lazily, one per stream
+  until there are that many); streams spread over them, least-loaded first;
+- a connection takes at most ``cap`` streams: ``min(max_streams_per_connection, the peer's
+  SETTINGS_MAX_CONCURRENT_STREAMS)``; a new connection's first streams wait for the peer's first
+  SETTINGS (at most :data:`SETTINGS_WAIT` s; until then ``max_streams_per_connection``);
+- when every kept connection is full, streams go to the oldest extra connection with room; when
+  none has room another is opened (at most ``max_connections``); past that a stream waits for
+  room (bounded by its caller's deadline);
+- an extra connection that drains to zero streams is closed ``idle_close`` seconds later (at
+  once when 0, never when negative) unless a stream arrived meanwhile; a connection with a
+  stream is never closed by the pool (only by :meth:`ConnectionPool.close`);
+- a connection that is lost, or that the engine sends GOAWAY on, takes no new stream and is
+  forgotten; the next stream opens a new one (reconnect after an engine restart).
+
+Resources: every connection's tasks run in the nursery given to the pool (the client's);
+:meth:`close` closes them all. Connecting is bounded by :data:`CONNECT_TIMEOUT`; a failure is
+raised to the streams waiting for that connection as :class:`CallError` (``lost``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from sidecar.openengine.trio_h2 import CallError, TrioH2Connection
+
+#: How long a stream on a new connection waits for the peer's first SETTINGS frame.
+SETTINGS_WAIT = 2.0
+#: Bound of one connection attempt.
+CONNECT_TIMEOUT = 10.0
+#: How many times :meth:`ConnectionPool.acquire` moves a stream off a connection whose cap
+#: turned out lower than its reservations.
+_MAX_MOVES = 8
+
+
+class _Slot:
+    __slots__ = ("conn", "failure", "idle_gen", "kept", "ready", "streams")
+
+    def __init__(self, kept: bool) -> None:
+        self.conn: TrioH2Connection | None = None
+        self.failure: CallError | None = None
+        self.kept = kept
+        self.streams = 0
+        self.ready = trio.Event()  # connected (conn set) or failed (failure set)
+        self.idle_gen = 0  # bumped on each acquire: an idle timer checks it did not change
+
+    def alive(self) -> bool:
+        return self.failure is None and (self.conn is None or self.conn.usable)
+
+
+class ConnectionPool:
+    """See the module doc. ``connect`` opens the byte stream of a new connection."""
+
+    def __init__(
+        self,
+        connect: Callable[[], Awaitable[trio.abc.Stream]],
+        nursery: trio.Nursery,
+        *,
+        min_connections: int = 4,
+        max_streams_per_connection: int = 128,
+        max_connections: int = 256,
+        idle_close: float = 5.0,
+        connection_options: dict[str, Any] | None = None,
+        name: str = "engine",
+    ) -> None:
+        self._connect = connect
+        self._nursery = nursery
+        self.min_connections = max(1, min_connections)
+        self.max_streams = max(1, max_streams_per_connection)
+        self.max_connections = max(self.min_connections, max_connections)
+        self.idle_close = idle_close
+        self._options = connection_options or {}
+        self._name = name
+        self._slots: list[_Slot] = []
+        self._room = trio.Event()
+        self._closed = False
+
+    @property
+    def channel_count(self) -> int:
+        """Connections in the pool (connected or not)."""
+        return len(self._slots)
+
+    @property
+    def stream_count(self) -> int:
+        """Streams holding a place (opening, open or closing)."""
+        return sum(s.streams for s in self._slots)
+
+    def connections(self) -> list[TrioH2Connection]:
+        return [s.conn for s in self._slots if s.conn is not None]
+
+    def loads(self) -> list[tuple[int, int]]:
+        """``(streams, cap)`` per connection, oldest first (for tests and diagnostics)."""
+        return [(s.streams, self._cap(s)) for s in self._slots]
+
+    def _cap(self, slot: _Slot) -> int:
+        peer = slot.conn.peer_max_streams if slot.conn is not None else None
+        return self.max_streams if peer is None else max(0, min(self.max_streams, peer))
+
+    # -- acquire / release ---------------------------------------------------------------------
+
+    async def acquire(self) -> tuple[TrioH2Connection, Callable[[], None]]:
+        """A connection with room for one more stream, and the callable that gives its place
+        back (call it once, after the stream ended). Raises :class:`CallError` (``lost``)."""
+        for _ in range(_MAX_MOVES):
+            slot = self._pick()
+            while slot is None:
+                if self._closed:
+                    raise CallError("engine client is closed", lost=True)
+                if self._room.is_set():
+                    self._room = trio.Event()
+                await self._room.wait()
+                slot = self._pick()
+            slot.streams += 1
+            slot.idle_gen += 1
+            released = False
+
+            def release(slot: _Slot = slot) -> None:
+                nonlocal released
+                if not released:
+                    released = True
+                    self._release(slot)
+
+            try:
+                if not slot.ready.is_set():
+                    await slot.ready.wait()
+                conn = slot.conn
+                if conn is None:
+                    raise slot.failure or CallError("engine connection failed", lost=True)
+                if not conn.settings_seen.is_set():
+                    with trio.move_on_after(SETTINGS_WAIT):
+                        await conn.settings_seen.wait()
+            except BaseException:
+                release()
+                raise
+            if conn.usable and slot.streams <= self._cap(slot):
+                return conn, release
+            release()  # the peer allows fewer streams than we reserved (or the connection died)
+            await trio.lowlevel.checkpoint()
+        raise CallError(f"no engine connection with room for a stream after {_MAX_MOVES} moves", lost=True)
+
+    def _pick(self) -> _Slot | None:
+        if self._closed:
+            raise CallError("engine client is closed", lost=True)
+        slots = self._slots = [s for s in self._slots if s.alive() or s.streams]
+        live = [s for s in slots if s.alive()]
+        kept = [s for s in live if s.kept]
+        if len(kept) < self.min_connections and len(slots) < self.max_connections:
+            return self._open(kept=True)
+        best: _Slot | None = None
+        for s in kept:
+            if s.streams < self._cap(s) and (best is None or s.streams < best.streams):
+                best = s
+        if best is not None:
+            return best
+        for s in live:
+            if not s.kept and s.streams < self._cap(s):
+                return s
+        if len(slots) < self.max_connections:
+            return self._open(kept=False)
+        return None
+
+    def _open(self, *, kept: bool) -> _Slot:
+        slot = _Slot(kept)
+        self._slots.append(slot)
+        self._nursery.start_soon(self._serve, slot)
+        return slot
+
+    def _release(self, slot: _Slot) -> None:
+        slot.streams -= 1
+        self._room.set()
+        if slot.streams == 0 and not slot.kept and self.idle_close >= 0 and slot.conn is not None:
+            if self.idle_close == 0:
+                self._close_slot(slot)
+            else:
+                self._nursery.start_soon(self._close_when_idle, slot, slot.idle_gen)
+
+    async def _close_when_idle(self, slot: _Slot, gen: int) -> None:
+        await trio.sleep(self.idle_close)
+        if slot.streams == 0 and slot.idle_gen == gen:
+            self._close_slot(slot)
+
+    def _close_slot(self, slot: _Slot) -> None:
+        if slot in self._slots:
+            self._slots.remove(slot)
+        if slot.conn is not None:
+            slot.conn.close("idle extra engine connection closed")
+
+    # -- connections ---------------------------------------------------------------------------
+
+    async def _serve(self, slot: _Slot) -> None:
+        """Connect, then run the connection until it ends (in the pool's nursery)."""
+        try:
+            with trio.fail_after(CONNECT_TIMEOUT):
+                stream = await self._connect()
+        except (OSError, trio.TooSlowError) as err:
+            slot.failure = CallError(f"engine unreachable ({type(err).__name__}: {err})", lost=True)
+            slot.ready.set()
+            self._forget(slot)
+            return
+        conn = TrioH2Connection(stream, name=self._name, **self._options)
+        slot.conn = conn
+        if self._closed:
+            conn.close("engine client is closed")
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(conn.run)
+                slot.ready.set()
+        finally:
+            slot.ready.set()
+            self._forget(slot)
+
+    def _forget(self, slot: _Slot) -> None:
+        if slot.streams == 0 and slot in self._slots:
+            self._slots.remove(slot)
+        self._room.set()
+
+    def close(self) -> None:
+        """Close every connection (their calls fail as lost); new streams are refused."""
+        self._closed = True
+        for slot in self._slots:
+            if slot.conn is not None:
+                slot.conn.close("engine client is closed")
+        self._room.set()
+
+
+__all__ = ["CONNECT_TIMEOUT", "SETTINGS_WAIT", "ConnectionPool"]
