@@ -14,14 +14,22 @@ import pytest
 import trio_asyncio
 
 from sidecar.openengine import client as engine_client
-
 from tests.openengine.fake_grpc_engine import FakeGrpcEngine, RunningServer
 
 #: The run's Generate transport (module doc).
 TRANSPORT = os.environ.get("OPENENGINE_SIDECAR_ENGINE_TRANSPORT") or engine_client.DEFAULT_TRANSPORT
 if TRANSPORT not in engine_client.TRANSPORTS:
-    raise pytest.UsageError(f"OPENENGINE_SIDECAR_ENGINE_TRANSPORT={TRANSPORT!r}: not one of {engine_client.TRANSPORTS}")
+    raise pytest.UsageError(
+        f"OPENENGINE_SIDECAR_ENGINE_TRANSPORT={TRANSPORT!r}: not one of {engine_client.TRANSPORTS}"
+    )
 engine_client.DEFAULT_TRANSPORT = TRANSPORT
+
+
+@pytest.fixture(params=engine_client.TRANSPORTS)
+def transport(request: pytest.FixtureRequest) -> str:
+    """Each Generate transport in turn (``open_engine_client(..., transport=transport)``)."""
+    value: str = request.param
+    return value
 
 
 @pytest.fixture

@@ -200,3 +200,8 @@ def tokens(request_id: str, n: int, *, index: int = 0) -> list[Any]:
 
 
 __all__ = ["FakeGrpcEngine", "Gate", "RunningServer", "Status", "grpclib", "status", "tokens"]
+
+
+def generate_pool(client: Any) -> Any:
+    """The Generate pool of ``client`` for its transport (``loads()``: ``(streams, cap)`` each)."""
+    return client._trio_pool if client._trio_pool is not None else client._generate

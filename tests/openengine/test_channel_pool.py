@@ -17,12 +17,12 @@ from h2.connection import H2Connection
 from h2.events import RemoteSettingsChanged
 
 from sidecar.mock.testing import mock_engine_in_process
-from sidecar.openengine import channel_pool, pb
+from sidecar.openengine import channel_pool, pb, trio_h2
 from sidecar.openengine._grpclib_internals import channel_protocol, closed_streams
 from sidecar.openengine.channel_pool import _CoalescingTransport
 from sidecar.openengine.client import EngineClient, open_engine_client
 from sidecar.openengine.errors import EngineUnavailable
-from tests.openengine.fake_grpc_engine import FakeGrpcEngine, Gate, RunningServer, tokens
+from tests.openengine.fake_grpc_engine import FakeGrpcEngine, Gate, RunningServer, generate_pool, tokens
 from tests.polling import eventually
 
 
@@ -86,11 +86,15 @@ async def open_group(nursery: trio.Nursery, client: EngineClient, prefix: str, n
     return g
 
 
-async def test_per_channel_cap_is_respected(server: RunningServer) -> None:
+async def test_per_channel_cap_is_respected(transport: str, server: RunningServer) -> None:
     stalled(server)
     with trio.fail_after(10):
         async with open_engine_client(
-            server.address, generate_channels=2, max_streams_per_channel=10, idle_channel_close=0
+            server.address,
+            generate_channels=2,
+            max_streams_per_channel=10,
+            idle_channel_close=0,
+            transport=transport,
         ) as client:
             opened = trio.Semaphore(0)
             async with trio.open_nursery() as nursery:
@@ -98,16 +102,18 @@ async def test_per_channel_cap_is_respected(server: RunningServer) -> None:
                     nursery.start_soon(hold, client, f"r{i}", opened)
                 for _ in range(35):
                     await opened.acquire()
-                assert client._generate.loads() == [(10, 10), (10, 10), (10, 10), (5, 10)]
+                assert generate_pool(client).loads() == [(10, 10), (10, 10), (10, 10), (5, 10)]
                 assert client.generate_channel_count == 4 and client.generate_stream_count == 35
                 assert len(server.engine.seen) == 35
                 nursery.cancel_scope.cancel()
             # every stream ended: the two extra channels were closed, the minimum stays
-            assert client._generate.loads() == [(0, 10), (0, 10)]
+            assert generate_pool(client).loads() == [(0, 10), (0, 10)]
             assert len(server.transports) == 2 + 2  # four generate connections were ever made
 
 
-async def test_peer_limit_below_our_cap(server: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_peer_limit_below_our_cap(
+    transport: str, server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A server advertising 5 streams per connection: 23 streams in one burst all reach it."""
 
     class NarrowH2Connection(H2Connection):
@@ -120,49 +126,59 @@ async def test_peer_limit_below_our_cap(server: RunningServer, monkeypatch: pyte
     monkeypatch.setattr(grpclib.protocol, "H2Connection", NarrowH2Connection)
     stalled(server)
     with trio.fail_after(10):
-        async with open_engine_client(server.address, generate_channels=1, idle_channel_close=0) as client:
+        async with open_engine_client(
+            server.address, generate_channels=1, idle_channel_close=0, transport=transport
+        ) as client:
             opened = trio.Semaphore(0)
             async with trio.open_nursery() as nursery:
                 for i in range(23):
                     nursery.start_soon(hold, client, f"r{i}", opened)
                 for _ in range(23):
                     await opened.acquire()
-                assert client._generate.loads() == [(5, 5)] * 4 + [(3, 5)]
+                assert generate_pool(client).loads() == [(5, 5)] * 4 + [(3, 5)]
                 assert len(server.engine.seen) == 23
                 nursery.cancel_scope.cancel()
-            assert client._generate.loads() == [(0, 5)]
+            assert generate_pool(client).loads() == [(0, 5)]
 
 
-async def test_a_channel_with_a_stream_is_never_closed(server: RunningServer) -> None:
+async def test_a_channel_with_a_stream_is_never_closed(transport: str, server: RunningServer) -> None:
     stalled(server)
     with trio.fail_after(10):
         async with open_engine_client(
-            server.address, generate_channels=1, max_streams_per_channel=3, idle_channel_close=0
+            server.address,
+            generate_channels=1,
+            max_streams_per_channel=3,
+            idle_channel_close=0,
+            transport=transport,
         ) as client:
             async with trio.open_nursery() as nursery:
                 a = await open_group(nursery, client, "a", 3)
                 b = await open_group(nursery, client, "b", 3)
                 c = await open_group(nursery, client, "c", 2)
-                assert client._generate.loads() == [(3, 3), (3, 3), (2, 3)]
+                assert generate_pool(client).loads() == [(3, 3), (3, 3), (2, 3)]
                 await b.close()  # the middle channel drains: closed; the last one keeps its streams
-                assert client._generate.loads() == [(3, 3), (2, 3)]
+                assert generate_pool(client).loads() == [(3, 3), (2, 3)]
                 c_seen = [s for s in server.engine.seen if s.request.request_id.startswith("c")]
                 assert not any(s.cancelled.is_set() for s in c_seen)
                 # the freed room is used before a new connection is opened
                 d = await open_group(nursery, client, "d", 1)
-                assert client._generate.loads() == [(3, 3), (3, 3)]
+                assert generate_pool(client).loads() == [(3, 3), (3, 3)]
                 await a.close()
-                assert client._generate.loads() == [(0, 3), (3, 3)]  # the kept channel stays
+                assert generate_pool(client).loads() == [(0, 3), (3, 3)]  # the kept channel stays
                 await c.close()
                 await d.close()
-                assert client._generate.loads() == [(0, 3)]
+                assert generate_pool(client).loads() == [(0, 3)]
 
 
-async def test_idle_extra_channel_closes_after_the_idle_period(server: RunningServer) -> None:
+async def test_idle_extra_channel_closes_after_the_idle_period(transport: str, server: RunningServer) -> None:
     stalled(server)
     with trio.fail_after(10):
         async with open_engine_client(
-            server.address, generate_channels=1, max_streams_per_channel=2, idle_channel_close=0.3
+            server.address,
+            generate_channels=1,
+            max_streams_per_channel=2,
+            idle_channel_close=0.3,
+            transport=transport,
         ) as client:
             async with trio.open_nursery() as nursery:
                 await open_group(nursery, client, "a", 2)
@@ -172,7 +188,7 @@ async def test_idle_extra_channel_closes_after_the_idle_period(server: RunningSe
                 # a stream arriving in the idle period keeps the channel (and its connection)
                 again = await open_group(nursery, client, "c", 1)
                 await trio.sleep(0.5)
-                assert client._generate.loads() == [(2, 2), (1, 2)]
+                assert generate_pool(client).loads() == [(2, 2), (1, 2)]
                 await again.close()
                 start = trio.current_time()
                 await eventually(lambda: client.generate_channel_count == 1)
@@ -181,11 +197,11 @@ async def test_idle_extra_channel_closes_after_the_idle_period(server: RunningSe
             assert len(server.transports) == 2
 
 
-async def test_cancel_resets_a_stream_on_an_extra_channel(server: RunningServer) -> None:
+async def test_cancel_resets_a_stream_on_an_extra_channel(transport: str, server: RunningServer) -> None:
     stalled(server)
     with trio.fail_after(10):
         async with open_engine_client(
-            server.address, generate_channels=1, max_streams_per_channel=1
+            server.address, generate_channels=1, max_streams_per_channel=1, transport=transport
         ) as client:
             async with trio.open_nursery() as nursery:
                 await open_group(nursery, client, "a", 1)
@@ -248,7 +264,7 @@ async def test_a_cancel_arriving_with_the_settings_frame_cancels(
     monkeypatch.setattr(channel_pool._PoolProtocol, "connection_made", connection_made)
     monkeypatch.setattr(channel_pool._PoolProtocol, "data_received", holding)
     with trio.fail_after(10):
-        async with open_engine_client(server.address, generate_channels=1) as client:
+        async with open_engine_client(server.address, generate_channels=1, transport="grpclib") as client:
             with scope:
                 async with client.generate(req("r")) as stream:
                     async for _ in stream:
@@ -258,14 +274,18 @@ async def test_a_cancel_arriving_with_the_settings_frame_cancels(
             assert [s.request.request_id for s in server.engine.seen] == []
 
 
-async def test_pool_reconnects_after_engine_restart(aio_loop: Any, tmp_path: Any) -> None:
+async def test_pool_reconnects_after_engine_restart(transport: str, aio_loop: Any, tmp_path: Any) -> None:
     path = str(tmp_path / "e.sock")
     srv = RunningServer(FakeGrpcEngine())
     await srv.start(path=path)
     stalled(srv)
     with trio.fail_after(10):
         async with open_engine_client(
-            f"unix://{path}", generate_channels=1, max_streams_per_channel=2, idle_channel_close=0
+            f"unix://{path}",
+            generate_channels=1,
+            max_streams_per_channel=2,
+            idle_channel_close=0,
+            transport=transport,
         ) as client:
             failures: list[BaseException] = []
 
@@ -281,7 +301,8 @@ async def test_pool_reconnects_after_engine_restart(aio_loop: Any, tmp_path: Any
                 assert client.generate_channel_count == 3
                 await srv.stop()
             assert len(failures) == 5
-            assert client._generate.loads() == [(0, 2)]
+            # grpclib keeps its channel (it reconnects lazily); the trio pool forgets a lost connection
+            assert generate_pool(client).loads() == ([(0, 2)] if transport == "grpclib" else [])
             srv2 = RunningServer(FakeGrpcEngine())
             await srv2.start(path=path)
             stalled(srv2)
@@ -289,14 +310,14 @@ async def test_pool_reconnects_after_engine_restart(aio_loop: Any, tmp_path: Any
                 async with trio.open_nursery() as nursery:
                     for i in range(3):
                         await nursery.start(held, f"s{i}")
-                    assert client._generate.loads() == [(2, 2), (1, 2)]
+                    assert generate_pool(client).loads() == [(2, 2), (1, 2)]
                     assert len(srv2.engine.seen) == 3
                     nursery.cancel_scope.cancel()
             finally:
                 await srv2.stop()
 
 
-async def test_thousand_stalled_streams_reach_a_100_stream_engine(aio_loop: Any) -> None:
+async def test_thousand_stalled_streams_reach_a_100_stream_engine(transport: str, aio_loop: Any) -> None:
     """grpclib engines allow 100 streams per connection: with 4 fixed channels only 400 of
     these reached the engine; the pool opens connections until all 1,000 have."""
     n = 1000
@@ -304,7 +325,7 @@ async def test_thousand_stalled_streams_reach_a_100_stream_engine(aio_loop: Any)
         async with mock_engine_in_process(
             kv_events="none", max_running=n, max_queue=n, total_kv_blocks=40 * n
         ) as eng:
-            async with open_engine_client(eng.address, idle_channel_close=0) as client:
+            async with open_engine_client(eng.address, idle_channel_close=0, transport=transport) as client:
                 opened = trio.Semaphore(0)
                 stall = pb.Struct.from_dict({"mock": {"faults": ["stall=1"]}})
 
@@ -325,7 +346,7 @@ async def test_thousand_stalled_streams_reach_a_100_stream_engine(aio_loop: Any)
                         nursery.start_soon(one, i)
                     for _ in range(n):
                         await opened.acquire()
-                    loads = client._generate.loads()
+                    loads = generate_pool(client).loads()
                     handlers = eng.engine.counters.streams_open
                     nursery.cancel_scope.cancel()
                 assert sum(load for load, _ in loads) == n
@@ -333,7 +354,7 @@ async def test_thousand_stalled_streams_reach_a_100_stream_engine(aio_loop: Any)
                 assert len(loads) == 10
                 assert handlers == n
                 # all cancelled: every extra channel drained and closed, every stream reset
-                assert client._generate.loads() == [(0, 100)] * 4
+                assert generate_pool(client).loads() == [(0, 100)] * 4
                 await eventually(lambda: eng.engine.counters.streams_open == 0)
 
 
@@ -400,7 +421,7 @@ async def test_each_connection_remembers_a_bounded_number_of_closed_streams(
     monkeypatch.setattr(channel_pool, "CLOSED_STREAMS_KEPT", 10)
     server.engine.streams["Generate"] = lambda r, md: tokens(r.request_id, 2)
     with trio.fail_after(20):
-        async with open_engine_client(server.address, generate_channels=1) as client:
+        async with open_engine_client(server.address, generate_channels=1, transport="grpclib") as client:
             for i in range(25):
                 async with client.generate(req(f"r{i}")) as stream:
                     async for _ in stream:
@@ -413,3 +434,21 @@ async def test_each_connection_remembers_a_bounded_number_of_closed_streams(
             assert closed_streams(generate) == (10, 10)
             control = channel_protocol(client._control_channel())  # every channel: same bound
             assert control is not None and closed_streams(control)[1] == 10
+
+
+async def test_each_trio_connection_remembers_a_bounded_number_of_closed_streams(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same bound on the trio-native transport's h2 connections (CLOSED_STREAMS_KEPT)."""
+    monkeypatch.setattr(trio_h2, "CLOSED_STREAMS_KEPT", 10)
+    server.engine.streams["Generate"] = lambda r, md: tokens(r.request_id, 2)
+    with trio.fail_after(20):
+        async with open_engine_client(server.address, generate_channels=1, transport="trio") as client:
+            for i in range(25):
+                async with client.generate(req(f"r{i}")) as stream:
+                    async for _ in stream:
+                        pass
+            (conn,) = generate_pool(client).connections()
+            _ = conn._h2.open_outbound_streams  # h2 files closed streams when it counts open ones
+            closed = conn._h2._closed_streams
+            assert (len(closed), closed._size_limit) == (10, 10)

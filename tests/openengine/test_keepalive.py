@@ -46,16 +46,24 @@ async def pause_server_reading(server: RunningServer, paused: bool) -> None:
 
 
 def liveness_of(client: Any) -> Any:
+    """What counts the PINGs of the client's one Generate connection (``_pings``)."""
+    if client._trio_pool is not None:
+        (conn,) = client._trio_pool.connections()
+        return conn
     (channel,) = client._generate.channels()
     return channel._protocol.liveness
 
 
-async def test_a_peer_that_stops_answering_is_closed_and_its_stream_fails(server: RunningServer) -> None:
+async def test_a_peer_that_stops_answering_is_closed_and_its_stream_fails(
+    transport: str, server: RunningServer
+) -> None:
     stalled(server)
     dead: list[int] = []
     keepalive = Keepalive(INTERVAL, TIMEOUT, lambda: dead.append(1))
     with trio.fail_after(10):
-        async with open_engine_client(server.address, generate_channels=1, keepalive=keepalive) as client:
+        async with open_engine_client(
+            server.address, generate_channels=1, keepalive=keepalive, transport=transport
+        ) as client:
             async with client.generate(request("r1")) as stream:
                 await stream.__anext__()  # the first token: the stream is open and healthy
                 await pause_server_reading(server, True)  # the peer hangs
@@ -75,7 +83,9 @@ async def test_a_peer_that_stops_answering_is_closed_and_its_stream_fails(server
                 assert len([e async for e in again]) == 3
 
 
-async def test_a_live_silent_peer_gets_two_pings_and_keeps_its_stream(server: RunningServer) -> None:
+async def test_a_live_silent_peer_gets_two_pings_and_keeps_its_stream(
+    transport: str, server: RunningServer
+) -> None:
     """A long prefill: the engine answers PINGs but sends no data. Two PINGs, then none until
     it sends data again (gRPC servers answer a third with GOAWAY too_many_pings); a probe
     sends one more whatever the count."""
@@ -86,6 +96,7 @@ async def test_a_live_silent_peer_gets_two_pings_and_keeps_its_stream(server: Ru
             server.address,
             generate_channels=1,
             keepalive=Keepalive(INTERVAL, TIMEOUT, lambda: dead.append(1)),
+            transport=transport,
         ) as client:
             async with client.generate(request("r1")) as stream:
                 await stream.__anext__()
@@ -104,11 +115,11 @@ async def test_a_live_silent_peer_gets_two_pings_and_keeps_its_stream(server: Ru
             assert dead == []
 
 
-async def test_without_keepalive_a_hung_peer_holds_the_stream(server: RunningServer) -> None:
+async def test_without_keepalive_a_hung_peer_holds_the_stream(transport: str, server: RunningServer) -> None:
     """The fault is real: with no keepalive nothing notices the peer stopped answering."""
     stalled(server)
     with trio.fail_after(10):
-        async with open_engine_client(server.address, generate_channels=1) as client:
+        async with open_engine_client(server.address, generate_channels=1, transport=transport) as client:
             async with client.generate(request("r1")) as stream:
                 await stream.__anext__()
                 await pause_server_reading(server, True)
