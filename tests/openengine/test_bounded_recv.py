@@ -22,8 +22,8 @@ from tests.openengine.fake_grpc_engine import RunningServer, tokens
 
 
 @pytest.fixture
-async def client(server: RunningServer) -> AsyncIterator[EngineClient]:
-    async with open_engine_client(server.address) as c:
+async def client(server: RunningServer, transport: str) -> AsyncIterator[EngineClient]:
+    async with open_engine_client(server.address, transport=transport) as c:
         yield c
 
 
@@ -93,8 +93,8 @@ def padded(message: Any, size: int) -> bytes:
 
 
 @pytest.fixture
-async def small_client(server: RunningServer) -> AsyncIterator[EngineClient]:
-    async with open_engine_client(server.address, limits=SMALL) as c:
+async def small_client(server: RunningServer, transport: str) -> AsyncIterator[EngineClient]:
+    async with open_engine_client(server.address, limits=SMALL, transport=transport) as c:
         yield c
 
 
