@@ -88,7 +88,9 @@ CASES: dict[str, tuple[Answer, type[Exception], str | None, str]] = {
 @pytest.mark.parametrize("case", list(CASES))
 async def test_the_same_typed_error_on_both_transports(aio_loop: Any, transport: str, case: str) -> None:
     if transport == "grpclib" and case == "no-trailers":
-        pytest.xfail("grpclib waits for trailers after END_STREAM (the inactivity timeout ends such a stream)")
+        pytest.xfail(
+            "grpclib waits for trailers after END_STREAM (the inactivity timeout ends such a stream)"
+        )
     answer, kind, status, text = CASES[case]
     with trio.fail_after(10):
         async with (
