@@ -338,7 +338,7 @@ class TrioH2Connection:
                 except h2.exceptions.ProtocolError:
                     pass  # already closed (GOAWAY either way)
                 try:
-                    await self._stream.send_all(self._h2.data_to_send())
+                    await self._stream.send_all(b"".join(self._out) + self._h2.data_to_send())
                 except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
                     pass
                 await self._stream.aclose()
@@ -433,13 +433,16 @@ class TrioH2Connection:
             if call._body:
                 self._sending.append(call)
 
-    def _ack(self, call: Call, n: int) -> None:
-        """``n`` received bytes of ``call`` are consumed: give them back to the windows."""
+    def _ack(self, call: Call, n: int, *, flush: bool = True) -> None:
+        """``n`` received bytes of ``call`` are consumed: give them back to the windows (h2
+        sends a WINDOW_UPDATE once half a window is due). ``flush=False``: the reader, which
+        flushes after each read."""
         try:
             self._h2.acknowledge_received_data(n, call.id)
         except h2.exceptions.H2Error:
             return  # the connection is closing
-        self._flush_soon()
+        if flush:
+            self._flush_soon()
 
     def _reset(self, call: Call, code: int) -> None:
         """Reset ``call``'s stream (nothing more is received on it; the messages already
@@ -554,7 +557,7 @@ class TrioH2Connection:
             call._fail(err)
             return
         if call._queued < self.stream_window:
-            self._ack(call, size)
+            self._ack(call, size, flush=False)
         else:
             call._unacked += size
         if messages:
