@@ -61,9 +61,7 @@ from sidecar.openengine.fastencode import encode_generate_request
 from sidecar.openengine.message_limits import EngineLimits, run_sized
 from sidecar.openengine.rawfields import nested_field_bytes
 from sidecar.openengine.stream_rules import DrainRules, GenerateRules, KvEventRules
-from sidecar.openengine.trio_generate import CallSource, RequestHead
-from sidecar.openengine.trio_generate import call_error as trio_call_error
-from sidecar.openengine.trio_h2 import CallError
+from sidecar.openengine.trio_generate import RequestHead, open_call
 from sidecar.openengine.trio_pool import ConnectionPool
 
 __all__ = ["TRANSPORTS", "EngineClient", "EngineStream", "Keepalive", "open_engine_client"]
@@ -566,49 +564,23 @@ class EngineClient:
     async def _pick_generate(self) -> Picked:
         return await self._generate.acquire()
 
-    async def _decode_large_event(self, data: bytes) -> Any:
-        """(trio side) A large Generate event, decoded in a worker thread (``message_limits``)."""
-        codec = _Codec()
-        return await run_sized(
-            lambda raw: codec.decode(raw, pb.GenerateResponse),
-            data,
-            inline_max=0,
-            limiter=self._decode_limiter,
-        )
-
     @asynccontextmanager
     async def _trio_generate(
         self, request: pb.GenerateRequest, rules: _Rules[pb.GenerateResponse], metadata: MetadataLike | None
     ) -> AsyncIterator[EngineStream[pb.GenerateResponse]]:
-        """A Generate stream on the trio-native transport (:mod:`sidecar.openengine.trio_generate`).
-        Entering never fails: a call that cannot start fails at the first ``async for`` step."""
-        headers = self._generate_head.headers(_timeout(), _metadata(metadata))
-        body = encode_generate_request(request) or bytes(request)
-        call = release = failure = None
-        try:
-            if self._trio_pool is None:
-                raise CallError("engine client is closed or was not opened by open_engine_client", lost=True)
-            conn, release = await self._trio_pool.acquire()
-            call = conn.start_call(headers, body)
-        except CallError as err:
-            failure = trio_call_error(err)
-        codec = _Codec()
-        source = CallSource(
-            call,
-            failure,
-            partial(codec.decode, message_type=pb.GenerateResponse),
-            self._decode_large_event,
+        """A Generate stream on the trio-native transport (:mod:`sidecar.openengine.trio_generate`)."""
+        decode = partial(_Codec().decode, message_type=pb.GenerateResponse)
+        async with open_call(
+            self._trio_pool,
+            self._generate_head.headers(_timeout(), _metadata(metadata)),
+            encode_generate_request(request) or bytes(request),
+            decode,
+            partial(run_sized, decode, inline_max=0, limiter=self._decode_limiter),
             self.limits.decode_inline_bytes,
-        )
-        stream: EngineStream[pb.GenerateResponse] = EngineStream(source, rules, request.request_id)  # type: ignore[arg-type]
-        source.stream = stream
-        try:
+        ) as source:
+            stream: EngineStream[pb.GenerateResponse] = EngineStream(source, rules, request.request_id)  # type: ignore[arg-type]
+            source.stream = stream
             yield stream
-        finally:
-            if call is not None:
-                call.cancel()
-            if release is not None:
-                release()
 
     def generate(
         self, request: pb.GenerateRequest, *, metadata: MetadataLike | None = None, checked: bool = True

@@ -13,7 +13,8 @@ or connection -> :class:`EngineUnavailable`, a message over its bound ->
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import trio
@@ -28,8 +29,9 @@ from sidecar.openengine.errors import (
     EngineUnavailable,
 )
 from sidecar.openengine.trio_h2 import Call, CallError
+from sidecar.openengine.trio_pool import ConnectionPool
 
-__all__ = ["CallSource", "RequestHead", "call_error"]
+__all__ = ["CallSource", "RequestHead", "call_error", "open_call"]
 
 
 class RequestHead:
@@ -137,3 +139,34 @@ class CallSource:
 
     def close(self) -> None:
         return None
+
+
+@asynccontextmanager
+async def open_call(
+    pool: ConnectionPool | None,
+    headers: list[tuple[bytes, bytes]],
+    body: bytes,
+    decode: Callable[[bytes], Any],
+    decode_large: Callable[[bytes], Awaitable[Any]],
+    inline_max: int,
+) -> AsyncIterator[CallSource]:
+    """A call on a connection of ``pool``, as a :class:`CallSource`. Entering never fails: a call
+    that cannot start fails at the first ``receive``. Leaving resets the stream unless it ended
+    (RST_STREAM queued synchronously) and gives its place in the pool back."""
+    call: Call | None = None
+    release: Callable[[], None] | None = None
+    failure: BaseException | None = None
+    try:
+        if pool is None:
+            raise CallError("engine client is closed or was not opened by open_engine_client", lost=True)
+        conn, release = await pool.acquire()
+        call = conn.start_call(headers, body)
+    except CallError as err:
+        failure = call_error(err)
+    try:
+        yield CallSource(call, failure, decode, decode_large, inline_max)
+    finally:
+        if call is not None:
+            call.cancel()
+        if release is not None:
+            release()

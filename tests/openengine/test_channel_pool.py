@@ -452,3 +452,21 @@ async def test_each_trio_connection_remembers_a_bounded_number_of_closed_streams
             _ = conn._h2.open_outbound_streams  # h2 files closed streams when it counts open ones
             closed = conn._h2._closed_streams
             assert (len(closed), closed._size_limit) == (10, 10)
+
+
+async def test_a_trio_connection_out_of_stream_ids_takes_no_new_stream(server: RunningServer) -> None:
+    """HTTP/2 stream ids run out after 2^30 streams on a connection: the next stream goes to a
+    new connection (it failed with EngineUnavailable, and so did every later one)."""
+    server.engine.streams["Generate"] = lambda r, md: tokens(r.request_id, 1)
+    with trio.fail_after(10):
+        async with open_engine_client(
+            server.address, generate_channels=1, idle_channel_close=0, transport="trio"
+        ) as client:
+            async with client.generate(req("r0")) as stream:
+                assert len([e async for e in stream]) == 2
+            (conn,) = generate_pool(client).connections()
+            conn._h2.highest_outbound_stream_id = 2**31 - 1  # the last id was used
+            for i in range(2):
+                async with client.generate(req(f"r{i + 1}")) as stream:
+                    assert len([e async for e in stream]) == 2
+            assert generate_pool(client).connections() != [conn]
