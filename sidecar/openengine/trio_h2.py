@@ -144,7 +144,12 @@ class Call:
         self._wake()
 
 
-_H2_CONFIG = h2.config.H2Configuration(client_side=True, header_encoding=None)
+#: Our request headers are fixed or checked by ``grpclib.metadata.encode_metadata``
+#: (:mod:`sidecar.openengine.trio_generate`): h2 need not check them again per request. What
+#: the engine sends is checked (``validate_inbound_headers``, h2's default).
+_H2_CONFIG = h2.config.H2Configuration(
+    client_side=True, header_encoding=None, validate_outbound_headers=False, normalize_outbound_headers=False
+)
 
 
 class TrioH2Connection:
