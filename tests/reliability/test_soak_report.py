@@ -74,7 +74,7 @@ def test_clean_rounds_pass_and_are_grouped_by_fault(tmp_path: Path) -> None:
     assert "3 rounds, 3000 streams" in done.stdout and "rounds with a leak or violation: 0" in done.stdout
     assert "| no fault | 2 | 2,000 | 1,200 |" in done.stdout
     assert (
-        "| kill | 1 | 1,000 | 100 | 250 | 0 | 700 | 0 | 0 | 0 / 0 / 0 | 0 / 0 | 1 (0.4 s) | 0 |"
+        "| kill | 1 | 1,000 | 100 | 250 | 0 | 700 | 0 | 0 | 0 / 0 / 0 | 0 / 0 | 1 (0.4 s) | 4 s | 0 |"
         in done.stdout
     )
 
@@ -89,7 +89,28 @@ def test_a_round_with_an_expired_orphan_or_another_error_is_bad(tmp_path: Path) 
     assert done.returncode == 1
     assert "rounds with a leak or violation: 2" in done.stdout
     assert (
-        "| partition | 1 | 1,000 | 600 | 250 | 150 | 0 | 0 | 0 | 0 / 0 / 2 | 0 / 0 | 0 (0 s) | 1 |"
+        "| partition | 1 | 1,000 | 600 | 250 | 150 | 0 | 0 | 0 | 0 / 0 / 2 | 0 / 0 | 0 (0 s) | 4 s | 1 |"
         in done.stdout
     )
     assert "| no fault | 2 | 2,000 | 1,200 | 500 | 300 | 1 | 2 | 0 |" in done.stdout
+
+
+def test_rss_after_the_settling_minutes_and_the_longest_round_are_reported(tmp_path: Path) -> None:
+    rows = [
+        {**FIELDS, "round": 0, "sidecar_rss_kib": 90_000},
+        {**FIELDS, "round": 1, "elapsed_s": 600.0, "sidecar_rss_kib": 120_000},  # before minute 20
+        {**FIELDS, "round": 2, "elapsed_s": 1200.0, "fault": "kill", "seconds": 600.5},
+        {**FIELDS, "round": 3, "elapsed_s": 2100.0, "sidecar_rss_kib": 100_512},
+        {**FIELDS, "round": 4, "elapsed_s": 3000.0, "sidecar_rss_kib": 101_024},
+    ]
+    done = run_report(tmp_path, rows)
+    assert done.returncode == 0, done.stdout + done.stderr
+    # +1 MiB between minute 20 and minute 50: +2 MiB per hour
+    assert (
+        "sidecar RSS from minute 20 (3 rounds, 30 minutes): first 97.7 MiB, last 98.7, "
+        "lowest 97.7, highest 98.7, slope +2.00 MiB/hour" in done.stdout
+    )
+    assert (
+        "| kill | 1 | 1,000 | 600 | 250 | 150 | 0 | 0 | 0 | 0 / 0 / 0 | 0 / 0 | 0 (0 s) | 600.5 s | 0 |"
+        in done.stdout
+    )
