@@ -26,7 +26,8 @@ One flow:
 Failover: a candidate that is unreachable, cannot ``describe``, is unusable, or rejects the
 request with a retryable code (for the prefill also: fails retryably, since a prefill shows
 the caller nothing) is skipped for the next in its list; every skip is listed in
-``FlowEnd.attempts``. Once the decode has relayed an event there is no failover. In client
+``FlowEnd.attempts``. Once the decode has relayed an event there is no failover (an engine
+error before any output is not relayed: it is that attempt's failure, in its ``end``). In client
 bootstrap both sides run at once, so the side to replace is judged from how *both* ended,
 never from which failure arrived first (:func:`_bootstrap_blame`): a prefill that failed
 retryably, or a decode that could not get the KV from a prefill that did not complete, means
@@ -337,7 +338,10 @@ class DisaggClient:
         request: pb.GenerateRequest,
         kv_session_bytes: bytes | None,
     ) -> None:
-        """Run one side's stream (in ``side.scope``); decode events go to the caller."""
+        """Run one side's stream (in ``side.scope``); decode events go to the caller — except
+        an engine error that comes before any output: that is the attempt's failure (in its
+        ``end`` and ``flow.attempts``), not output, so another decode may still be tried (a
+        sidecar relays an engine's error as an event before its ``end``)."""
 
         async def deliver(event: wire.Event) -> None:
             if side.role == "decode":
@@ -353,6 +357,8 @@ class DisaggClient:
                     ) as stream:
                         side.stream = stream
                         async for event in stream:
+                            if not side.events and event.response.kind == "error":
+                                continue
                             side.events += 1
                             await deliver(event)
                 except SidecarConnectionError as err:

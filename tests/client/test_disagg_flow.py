@@ -122,6 +122,9 @@ class Fake:
         elif b == "overloaded":
             await end("rejected", pb.ErrorCode.OVERLOADED, retryable=True)
         elif b == "transfer-failed":  # a decode that could not get the KV from its prefill
+            # as a real sidecar relays an engine's failure: its error event, then the end
+            error = pb.EngineError(code=pb.ErrorCode.KV_TRANSFER_FAILED, message="no KV", retryable=True)
+            await ws.send_message(events.encode(pb.GenerateResponse(request_id="d", error=error)))
             await end("failed", pb.ErrorCode.KV_TRANSFER_FAILED, retryable=True)
         elif b == "refuse-late":  # a prefill whose refusal comes after its decode's failure
             with trio.move_on_after(0.5):
