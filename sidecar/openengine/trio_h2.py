@@ -229,6 +229,9 @@ class TrioH2Connection:
                     task_status.started()
                     await self._read_loop()
                     nursery.cancel_scope.cancel()
+        except Exception as err:  # a defect here closes this connection only, never the client
+            log.exception("engine connection %s failed; closing it", self.name)
+            self._lost(CallError(f"engine connection failed ({type(err).__name__}: {err})", lost=True))
         finally:
             failure = self.failure or CallError("engine connection closed", lost=True)
             self.failure = failure

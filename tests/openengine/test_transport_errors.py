@@ -106,3 +106,30 @@ async def test_the_same_typed_error_on_both_transports(aio_loop: Any, transport:
         assert err.status == status and err.message == text, (err.status, err.message)
     else:
         assert text in str(err), err
+
+
+async def test_a_failure_inside_a_trio_connection_closes_only_that_connection(
+    server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unexpected exception while a connection handles a frame fails its calls
+    (EngineUnavailable) and closes it; it does not reach the client's nursery (which would end
+    every stream and the client itself)."""
+    from sidecar.openengine import trio_h2
+    from tests.openengine.fake_grpc_engine import tokens
+
+    server.engine.streams["Generate"] = lambda r, md: tokens(r.request_id, 1)
+    handle = trio_h2.TrioH2Connection._on_trailers
+
+    def broken(self: Any, event: Any) -> None:
+        raise RuntimeError("a bug")
+
+    with trio.fail_after(10):
+        async with open_engine_client(server.address, generate_channels=1, transport="trio") as client:
+            monkeypatch.setattr(trio_h2.TrioH2Connection, "_on_trailers", broken)
+            with pytest.raises(EngineUnavailable):
+                async with client.generate(pb.GenerateRequest(request_id="r1", prompt="hi")) as stream:
+                    async for _ in stream:
+                        pass
+            monkeypatch.setattr(trio_h2.TrioH2Connection, "_on_trailers", handle)
+            async with client.generate(pb.GenerateRequest(request_id="r2", prompt="hi")) as stream:
+                assert len([e async for e in stream]) == 2
