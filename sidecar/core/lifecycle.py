@@ -345,20 +345,27 @@ class StreamSupervisor:
         self, handle: StreamHandle, emit: Callable[[pb.GenerateResponse], Awaitable[None]]
     ) -> Outcome:
         relay = _Relay(handle, emit, self.config, self.progress)
+        client_gone = False
         try:
             with handle.scope:
                 await relay.run(self.engine)
         except* ClientGone:
             # except*: when the connection's scope was cancelled as ClientGone was raised, the
-            # upstream's helper task adds a Cancelled and the two arrive as one group; only
-            # that Cancelled (the enclosing scope's) may propagate.
+            # grpclib transport's helper task adds a Cancelled and the two arrive as one group;
+            # only that Cancelled (the enclosing scope's) may propagate.
             handle.cancel_reason = handle.cancel_reason or OUTCOME_CLIENT_GONE
+            client_gone = True
         finally:
             try:
                 if relay.needs_abort():
                     await self.abort(handle.request_id)
             finally:
                 self._release(handle)
+        if client_gone:
+            # The trio transport has no helper task, so no Cancelled came with ClientGone: if the
+            # enclosing scope is cancelled, that cancellation propagates here, after the Abort,
+            # as it does on grpclib (not an outcome nobody reads).
+            await trio.lowlevel.checkpoint_if_cancelled()
         if relay.outcome is not None:
             outcome = relay.outcome
         elif relay.saw_terminal():

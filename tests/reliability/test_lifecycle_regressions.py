@@ -11,7 +11,9 @@ from sidecar.openengine.client import open_engine_client
 from tests.openengine.fake_grpc_engine import Gate, RunningServer, tokens
 
 
-async def test_client_gone_raised_inside_a_cancelled_connection_is_contained(server: RunningServer) -> None:
+async def test_client_gone_raised_inside_a_cancelled_connection_is_contained(
+    server: RunningServer, transport: str
+) -> None:
     """The WebSocket plane, on a client stalled past --stall-timeout, cancels the whole
     connection's scope and then raises ClientGone from ``emit``. The upstream stream's helper
     task is cancelled at the same moment, so ClientGone reaches the supervisor inside an
@@ -20,7 +22,10 @@ async def test_client_gone_raised_inside_a_cancelled_connection_is_contained(ser
     the enclosing scope propagates."""
     gate = Gate()
     server.engine.streams["Generate"] = lambda r, md: [*tokens(r.request_id, 2)[:1], gate]
-    async with open_engine_client(server.address) as client, trio.open_nursery() as nursery:
+    async with (
+        open_engine_client(server.address, transport=transport) as client,
+        trio.open_nursery() as nursery,
+    ):
         sup = StreamSupervisor(client, LifecycleConfig(abort_timeout=1.0, abort_retry_window=2.0))
         await nursery.start(sup.run_service)
         connection = trio.CancelScope()
