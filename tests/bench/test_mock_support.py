@@ -15,6 +15,7 @@ from sidecar.mock.services import REPORT_CANCEL_TIMES
 from sidecar.mock.testing import mock_engine_in_process
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
+from tests.openengine.fake_grpc_engine import generate_pool
 
 
 def request(rid: str, max_tokens: int = 5, **mock: Any) -> pb.GenerateRequest:
@@ -137,7 +138,7 @@ async def test_engine_launcher_raises_the_http2_stream_limit(
                         await trio.sleep(0.05)
                     await trio.sleep(0.3)
                     counters = await procs.engine_counters(address)
-                    pool = client._generate.loads()
+                    pool = generate_pool(client).loads()
                     lean = (await client.get_load()).attributes
                     nursery.cancel_scope.cancel()
     assert counters["streams_open"] == 150
