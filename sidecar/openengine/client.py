@@ -45,13 +45,13 @@ import trio_asyncio
 from grpclib.client import Channel
 from grpclib.config import Configuration
 from grpclib.const import Cardinality
-from grpclib.encoding.base import CodecBase
 
 from sidecar.nursery import open_background_nursery
 from sidecar.openengine import pb
 from sidecar.openengine._grpclib_internals import recv_bounded
 from sidecar.openengine.address import EngineAddress, parse_engine_address
 from sidecar.openengine.channel_pool import GeneratePool, Keepalive, SettingsAwareChannel, probe_liveness
+from sidecar.openengine.codec import Codec, HandedOver, Serialized
 from sidecar.openengine.errors import (
     STATUS_TO_CODE,
     EngineClientError,
@@ -60,10 +60,8 @@ from sidecar.openengine.errors import (
     EngineStatusError,
     EngineUnavailable,
 )
-from sidecar.openengine.fastdecode import decode_common_event
 from sidecar.openengine.fastencode import encode_generate_request
 from sidecar.openengine.message_limits import EngineLimits, run_sized
-from sidecar.openengine.rawfields import nested_field_bytes
 from sidecar.openengine.stream_rules import DrainRules, GenerateRules, KvEventRules
 from sidecar.openengine.trio_generate import RequestHead, open_call
 from sidecar.openengine.trio_pool import ConnectionPool
@@ -84,52 +82,6 @@ Picked = tuple[Channel, Callable[[], None]]
 
 _INFERENCE = "/openengine.v1.Inference/"
 _CONTROL = "/openengine.v1.Control/"
-
-
-class _Codec(CodecBase):
-    """betterproto2 messages on the wire; ``bytes`` are sent as already-serialized messages."""
-
-    __content_subtype__ = "proto"
-
-    def encode(self, message: Any, message_type: Any) -> bytes:
-        if isinstance(message, bytes | bytearray | memoryview):
-            return bytes(message)
-        if message_type is pb.GenerateRequest:
-            return encode_generate_request(message) or bytes(message)  # a plain request, by hand
-        return bytes(message)
-
-    def decode(self, data: bytes, message_type: Any) -> Any:
-        if message_type is pb.GenerateResponse and (fast := decode_common_event(data)) is not None:
-            return fast  # a token event or a finish, decoded by hand (identical result)
-        message = message_type.parse(data)
-        if message_type is pb.GenerateResponse and message.prefill_ready is not None:
-            # Keep the engine's exact KvSessionRef bytes for a byte-for-byte handoff relay.
-            return _HandedOver(message, nested_field_bytes(data, 4, 1))
-        return message
-
-
-class _HandedOver:
-    """A decoded ``PrefillReady`` event with the engine's ``KvSessionRef`` bytes as received
-    (the stream's pump unwraps it: :attr:`EngineStream.kv_session_bytes`)."""
-
-    __slots__ = ("message", "raw")
-
-    def __init__(self, message: pb.GenerateResponse, raw: bytes | None) -> None:
-        self.message = message
-        self.raw = raw
-
-
-class _Serialized:
-    """A reply type that keeps the message's bytes (``_Codec.decode`` calls :meth:`parse`)."""
-
-    __slots__ = ("data",)
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-    @classmethod
-    def parse(cls, data: bytes) -> _Serialized:
-        return cls(bytes(data))
 
 
 class _Rules(Protocol[T_contra]):
@@ -255,10 +207,10 @@ class EngineStream(Generic[T]):
                 await _raise_translated(self._failure)
             self._rules.check_end()
             raise StopAsyncIteration from None
-        if type(msg) is _HandedOver:
+        if type(msg) is HandedOver:
             self.kv_session_bytes = msg.raw
             msg = msg.message
-        item: T = msg  # the channel carries T (a _HandedOver only around a GenerateResponse)
+        item: T = msg  # the channel carries T (a HandedOver only around a GenerateResponse)
         self.messages += 1
         try:
             self._rules.observe(item)
@@ -355,7 +307,7 @@ class EngineClient:
             raise EngineUnavailable("engine client is closed")
         a = self.address
         kw: dict[str, Any] = {
-            "codec": _Codec(),
+            "codec": Codec(),
             "status_details_codec": None,
             "config": _CHANNEL_CONFIG,
             "keepalive": self._keepalive,
@@ -458,7 +410,7 @@ class EngineClient:
         it is received (a poller can parse what it needs, and large ``attributes`` off the
         event loop: ``sidecar.core.load.split_load_info``)."""
         request = pb.GetLoadRequest(include_per_rank=include_per_rank)
-        reply = await self._unary(_CONTROL + "GetLoad", request, _Serialized, metadata)
+        reply = await self._unary(_CONTROL + "GetLoad", request, Serialized, metadata)
         return reply.data
 
     async def health(
@@ -543,7 +495,7 @@ class EngineClient:
                     route, Cardinality.UNARY_STREAM, type(request), reply_type, timeout=timeout, metadata=md
                 ) as st:
                     await st.send_message(request, end=True)
-                    # T, or a _HandedOver PrefillReady (see _Codec)
+                    # T, or a HandedOver PrefillReady (see Codec)
                     while (msg := await recv_bounded(st, bound, decode_large, inline_max)) is not None:
                         try:
                             send.send_nowait(msg)
@@ -574,7 +526,7 @@ class EngineClient:
         self, request: pb.GenerateRequest, rules: _Rules[pb.GenerateResponse], metadata: MetadataLike | None
     ) -> AsyncIterator[EngineStream[pb.GenerateResponse]]:
         """A Generate stream on the trio-native transport (:mod:`sidecar.openengine.trio_generate`)."""
-        decode = partial(_Codec().decode, message_type=pb.GenerateResponse)
+        decode = partial(Codec().decode, message_type=pb.GenerateResponse)
         async with open_call(
             self._trio_pool,
             self._generate_head.headers(_timeout(), _metadata(metadata)),

@@ -24,7 +24,7 @@ from grpclib.exceptions import GRPCError
 
 from sidecar.openengine import pb
 from sidecar.openengine._grpclib_internals import server_port
-from sidecar.openengine.client import _Codec
+from sidecar.openengine.codec import Codec
 
 
 @dataclass
@@ -140,7 +140,7 @@ class RunningServer:
 
     def __init__(self, engine: FakeGrpcEngine) -> None:
         self.engine = engine
-        self.server = grpclib.server.Server([engine], codec=_Codec())
+        self.server = grpclib.server.Server([engine], codec=Codec())
         self.address = ""
         self.transports: list[Any] = []
         factory = self.server._protocol_factory

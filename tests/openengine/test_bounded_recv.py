@@ -14,7 +14,8 @@ import pytest
 import trio
 
 from sidecar.openengine import pb
-from sidecar.openengine.client import EngineClient, _Codec, open_engine_client
+from sidecar.openengine.client import EngineClient, open_engine_client
+from sidecar.openengine.codec import Codec
 from sidecar.openengine.errors import EngineClientError, EngineMessageTooLarge
 from sidecar.openengine.message_limits import EngineLimits
 from sidecar.openengine.rawfields import length_delimited
@@ -169,14 +170,14 @@ async def test_large_messages_decode_alike_in_a_worker_thread(
 ) -> None:
     """Over ``decode_inline_bytes`` a message is decoded off the event loop: the same result."""
     threads: list[tuple[int, bool]] = []  # (size, decoded on the main thread)
-    decode = _Codec.decode
+    decode = Codec.decode
 
-    def recording(self: _Codec, data: bytes, message_type: Any) -> Any:
+    def recording(self: Codec, data: bytes, message_type: Any) -> Any:
         if message_type in (pb.SubscribeKvEventsResponse, pb.LoadInfo):
             threads.append((len(data), threading.current_thread() is threading.main_thread()))
         return decode(self, data, message_type)
 
-    monkeypatch.setattr(_Codec, "decode", recording)
+    monkeypatch.setattr(Codec, "decode", recording)
     inline = client.limits.decode_inline_bytes
     big = batch(1, 100_000)
     info = pb.LoadInfo(instance_id="x" * (2 * inline))
@@ -203,9 +204,9 @@ async def test_large_decodes_run_at_most_decode_threads_at_once(
     order."""
     running, most = 0, 0
     lock = threading.Lock()
-    decode = _Codec.decode
+    decode = Codec.decode
 
-    def slow(self: _Codec, data: bytes, message_type: Any) -> Any:
+    def slow(self: Codec, data: bytes, message_type: Any) -> Any:
         nonlocal running, most
         if threading.current_thread() is threading.main_thread():
             return decode(self, data, message_type)
@@ -217,7 +218,7 @@ async def test_large_decodes_run_at_most_decode_threads_at_once(
             running -= 1
         return decode(self, data, message_type)
 
-    monkeypatch.setattr(_Codec, "decode", slow)
+    monkeypatch.setattr(Codec, "decode", slow)
     server.engine.streams["SubscribeKvEvents"] = lambda r, md: [batch(i, 20_000) for i in range(3)]
     got: dict[int, list[int]] = {}
 
