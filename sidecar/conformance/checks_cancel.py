@@ -32,6 +32,8 @@ SETTLE = 0.2
 END_WITHIN = 3.0
 START_WITHIN = 15.0
 SEEN_WITHIN = 10.0
+#: How long a long request's baseline waits for a previous check's request to leave the engine.
+LEAVE_WITHIN = 30.0
 SUCCESS = ("ABORTED", "ALREADY_FINISHED")
 
 
@@ -80,7 +82,9 @@ async def running_request(ctx: Context, label: str) -> AsyncIterator[tuple[LiveS
     if baseline > 0:
         # the previous check's request may still be on its way out (an Abort being carried
         # out): a baseline counting it would hide the new request when it leaves
-        _freed, _took, now = await _settled(ctx, 0, SEEN_WITHIN)
+        # (bounded, and longer than SEEN_WITHIN: a loaded engine may take seconds to carry out
+        # an Abort, and a request leaving while the new one is watched for hides the new one)
+        _freed, _took, now = await _settled(ctx, 0, LEAVE_WITHIN)
         baseline = now if now is not None else baseline
     max_tokens = 1 if session is not None else await ctx.long_max_tokens()
     req = await ctx.request(label, max_tokens=max_tokens, ignore_eos=True, session=session)
@@ -95,7 +99,8 @@ async def running_request(ctx: Context, label: str) -> AsyncIterator[tuple[LiveS
         if not await ctx.wait_busy(baseline, SEEN_WITHIN):
             raise Skip(
                 f"the long request ({max_tokens} tokens) never showed in GetLoad running/queued "
-                f"requests within {SEEN_WITHIN:g} s (an engine this fast may have finished it first)"
+                f"requests within {SEEN_WITHIN:g} s (an engine this fast may have finished it first; "
+                f"running+queued {baseline} before it, {await ctx.busy()} now)"
             )
         yield live, baseline
 

@@ -42,7 +42,7 @@ async def test_conformance_passes_against_the_adapter(vllm_engine: VllmProc, tmp
     failed = [(c["id"], c["reason"]) for c in doc["checks"] if c["status"] == "fail"]
     assert done.returncode == 0 and not failed, failed or done.stderr.decode(errors="replace")[-3000:]
     skipped = {c["id"]: c["reason"] for c in doc["checks"] if c["status"] == "skip"}
-    assert skipped.keys() == EXPLAINED_SKIPS.keys(), skipped
+    assert skipped.keys() == EXPLAINED_SKIPS.keys(), "\n".join(f"{k}: {v}" for k, v in skipped.items())
     for check, why in EXPLAINED_SKIPS.items():
         assert why in skipped[check], (check, skipped[check])
     assert doc["summary"]["pass"] == doc["summary"]["total"] - len(EXPLAINED_SKIPS)
