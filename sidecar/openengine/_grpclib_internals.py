@@ -16,6 +16,12 @@ What is used, and why:
   public ``ping`` / ``open_outbound_streams``; grpclib's ``Connection.flush`` after it), h2's
   closed-stream memory capped (``H2Connection._closed_streams._size_limit``, a
   ``SizeLimitDict``), and a transport wrapper that may batch writes.
+- ``protocol.connection.write_ready`` and ``.stream_close_waiter``: the asyncio events a
+  call waits on before it opens its stream (while the transport's buffer is over its high-water
+  mark, or the peer's stream limit is reached). grpclib's ``connection_lost`` sets neither and
+  such a call is in no list the lost connection terminates, so it would wait forever (issue
+  22). :class:`ClientProtocol` replaces both with :class:`_LossAwareEvent`: on loss they are
+  set and their waiters raise ``StreamTerminatedError`` (-> ``EngineUnavailable``).
 - ``Channel._protocol``, ``Channel.__connect__()``, ``protocol.handler.connection_lost``:
   which connection a channel holds, connect it, and whether it is lost (the pool sizes a
   channel for the connection it computed the cap on).
@@ -42,12 +48,13 @@ import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Literal
 
 import grpclib.client
 import grpclib.protocol
 import grpclib.server
 from grpclib.client import Channel, Handler, Stream
+from grpclib.exceptions import StreamTerminatedError
 from grpclib.protocol import H2Protocol
 from h2.connection import H2Connection
 from h2.events import RemoteSettingsChanged
@@ -75,9 +82,30 @@ __all__ = [
 TransportWrapper = Callable[[asyncio.Transport], Any]
 
 
+class _LossAwareEvent(asyncio.Event):
+    """An ``asyncio.Event`` whose waiters raise ``StreamTerminatedError`` once :meth:`lose` ran."""
+
+    lost = False
+
+    async def wait(self) -> Literal[True]:
+        await super().wait()
+        if self.lost:
+            raise StreamTerminatedError("Connection lost")
+        return True
+
+    def lose(self) -> None:
+        self.lost = True
+        self.set()
+
+
+#: The events of grpclib's ``Connection`` :class:`ClientProtocol` replaces with :class:`_LossAwareEvent`.
+_LOSS_AWARE = ("write_ready", "stream_close_waiter")
+
+
 class ClientProtocol(H2Protocol):
     """grpclib's client protocol, plus: ``settings_seen`` (set when the peer's first SETTINGS
-    frame arrived, or the connection was lost), a bound on the closed stream ids h2 remembers,
+    frame arrived, or the connection was lost), calls waiting to open a stream woken with an
+    error when the connection is lost (module doc), a bound on the closed stream ids h2 remembers,
     an optional transport wrapper, hooks on h2 events (:meth:`add_event_hook`) and the h2
     connection itself (:meth:`h2`, :meth:`flush`). Subclasses extend :meth:`connection_made`
     (calling it first) to add their hooks."""
@@ -103,6 +131,10 @@ class ClientProtocol(H2Protocol):
             transport = self._wrap_transport(transport)
         self.transport = transport
         super().connection_made(transport)
+        connection: Any = self.connection
+        connection.write_ready = _LossAwareEvent()
+        connection.write_ready.set()  # grpclib's starts set (nothing buffered yet)
+        connection.stream_close_waiter = _LossAwareEvent()
         if self._closed_streams_kept is not None:
             bound_closed_streams(self.h2(), self._closed_streams_kept)
         seen = self.settings_seen
@@ -112,6 +144,10 @@ class ClientProtocol(H2Protocol):
         super().connection_lost(exc)
         if hasattr(self, "settings_seen"):
             self.settings_seen.set()
+        if hasattr(self, "connection"):
+            connection: Any = self.connection
+            for name in _LOSS_AWARE:
+                getattr(connection, name).lose()
 
     def add_event_hook(self, kind: type, after: Callable[[Any], None]) -> None:
         """Call ``after(event)`` for every h2 event of class ``kind``, after grpclib processed
@@ -290,4 +326,6 @@ def missing_internals() -> list[str]:
     missing += [
         f"Stream.{n}" for n in _STREAM_STATE if f"self.{n}" not in source and f"    {n}" not in source
     ]
+    connection = inspect.getsource(grpclib.protocol.Connection.__init__)
+    missing += [f"Connection.{n}" for n in _LOSS_AWARE if f"self.{n} = Event()" not in connection]
     return missing
