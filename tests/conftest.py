@@ -1,8 +1,8 @@
 """Shared fixtures.
 
-``OPENENGINE_SIDECAR_ENGINE_TRANSPORT=grpclib`` (or ``trio``, the default) runs the whole session
-on that Generate transport: the sidecars the tests start read it as ``run --engine-transport``,
-and the engine clients the tests open in-process take it as their default.
+``OPENENGINE_SIDECAR_ENGINE_TRANSPORT=trio`` runs the whole session on the trio-native Generate
+transport: the sidecars the tests start read it as ``run --engine-transport``, and the engine
+clients the tests open in-process take it as their default.
 """
 
 from __future__ import annotations

@@ -21,10 +21,6 @@ Errors: only the typed errors of :mod:`sidecar.openengine.errors` escape. Deadli
 trio's effective deadline (sent to the engine as ``grpc-timeout``); when it passes, the
 caller's cancel scope fires as usual.
 
-Transports: with ``transport="trio"`` (the default) Generate streams use the trio-native
-HTTP/2 pool of :mod:`sidecar.openengine.trio_pool` instead of the grpclib one (same rules,
-limits, keepalive and errors); control calls, Drain and KV events always use grpclib.
-
 Must run inside ``trio_asyncio.open_loop()``.
 """
 
@@ -69,11 +65,10 @@ from sidecar.openengine.trio_pool import ConnectionPool
 __all__ = ["TRANSPORTS", "EngineClient", "EngineStream", "Keepalive", "open_engine_client"]
 
 #: Generate transports (``run --engine-transport``): grpclib on the trio-asyncio loop, or the
-#: trio-native HTTP/2 connection on the h2 library (:mod:`sidecar.openengine.trio_h2`, the
-#: default: docs/PERFORMANCE.md optimisation 13).
+#: trio-native HTTP/2 connection on the h2 library (:mod:`sidecar.openengine.trio_h2`).
 TRANSPORTS = ("grpclib", "trio")
 #: The transport of a client opened without one (tests may set it for a whole run).
-DEFAULT_TRANSPORT = "trio"
+DEFAULT_TRANSPORT = "grpclib"
 
 MetadataLike = Mapping[str, str] | Collection[tuple[str, str]]
 T = TypeVar("T")
