@@ -226,6 +226,7 @@ class SidecarClient:
         #: The last ``protocol_error`` message the sidecar sent (it cannot be matched to a request).
         self.last_protocol_error: str | None = None
         self._reader_idle = False  # the reader waits for a frame (nothing queued on our side)
+        self._frames_received = 0  # every frame proves the sidecar alive (its PONG may queue behind)
 
     @property
     def cancel_timeout(self) -> float:
@@ -274,6 +275,7 @@ class SidecarClient:
                 self._reader_idle = True
                 frame = await self._ws.get_message()
                 self._reader_idle = False
+                self._frames_received += 1
                 try:
                     msg = codec.decode_server_frame(frame)
                 except codec.ProtocolError as err:
@@ -301,20 +303,23 @@ class SidecarClient:
 
     async def _keepalive(self, interval: float, timeout: float) -> None:
         """WebSocket PINGs every ``interval`` while a stream or call is open; a PING without a
-        PONG within ``timeout`` while this client is not the one holding frames back (its
-        reader idle) means the sidecar or the path to it is gone: every stream and call ends
-        with ``SidecarConnectionError`` (a frozen sidecar never closes its connection)."""
+        PONG within ``timeout``, while no frame arrived meanwhile and this client is not the one
+        holding frames back (its reader idle), means the sidecar or the path to it is gone: every
+        stream and call ends with ``SidecarConnectionError`` (a frozen sidecar never closes its
+        connection). Frames still arriving prove the sidecar alive: on a busy connection whose
+        client reads slower than the sidecar writes, the PONG waits behind a backlog of events."""
         while self._lost is None:
             await trio.sleep(interval)
             if not (self._streams or self._calls) or not self._reader_idle:
                 continue
+            received = self._frames_received
             try:
                 with trio.move_on_after(timeout):
                     await self._ws.ping()
                     continue
             except ConnectionClosed:
                 return  # the reader reports it
-            if self._reader_idle and self._lost is None:
+            if self._frames_received == received and self._reader_idle and self._lost is None:
                 log.warning(
                     "the sidecar did not answer a ping within %gs: connection considered lost", timeout
                 )
