@@ -13,9 +13,12 @@ HPACK, flow-control accounting and the stream state machine are h2's
 - writes: h2 buffers frames; the writer task sends them after the current scheduler pass, so
   frames queued together (a new call's HEADERS + DATA, many calls' frames, WINDOW_UPDATEs) leave
   in one ``send``;
-- flow control: a call's bytes are acknowledged to h2 (which sends WINDOW_UPDATEs) at once while
-  the caller has less than ``stream_window`` bytes of messages waiting, else when it takes them:
-  a caller that stopped reading holds back only its own stream;
+- flow control: a call's bytes are acknowledged to h2 (which sends a WINDOW_UPDATE once half a
+  window is due) when its caller has taken every complete message received (at once while the
+  caller keeps up; the bytes of a message still incomplete too, so a message larger than the
+  window cannot stall): at most ``stream_window`` bytes wait for a caller that stopped reading
+  (as with grpclib, which acknowledges what its caller reads), and only its own stream is held
+  back — the engine feels a slow client as backpressure on that request;
 - sizes: each message's gRPC length prefix is checked against ``max_message`` before the
   message is buffered (over it: the stream is reset and the call fails ``too_large``);
 - the peer's SETTINGS (``peer_max_streams``) are read from h2; a GOAWAY fails the calls the
@@ -76,7 +79,6 @@ class Call:
         "_failure",
         "_headers_seen",
         "_messages",
-        "_queued",
         "_reader",
         "_unacked",
         "_waiter",
@@ -90,8 +92,7 @@ class Call:
         self.id = stream_id
         self._body = memoryview(body)  # request bytes not yet sent (flow control)
         self._messages: collections.deque[bytes] = collections.deque()
-        self._queued = 0  # bytes of messages waiting for the caller
-        self._unacked = 0  # received bytes not yet acknowledged to h2 (the caller is behind)
+        self._unacked = 0  # received bytes not yet acknowledged to h2 (messages wait for the caller)
         self._reader = MessageReader(conn.max_message)
         self._waiter: Any = None
         self._failure: CallError | None = None
@@ -108,8 +109,7 @@ class Call:
         while True:
             if self._messages:
                 msg = self._messages.popleft()
-                self._queued -= len(msg) + 5
-                if self._unacked and self._queued < self._conn.stream_window:
+                if self._unacked and not self._messages:  # caught up: the engine may send on
                     n, self._unacked = self._unacked, 0
                     self._conn._ack(self, n)
                 await trio.lowlevel.cancel_shielded_checkpoint()
@@ -345,14 +345,17 @@ class TrioH2Connection:
 
     def _ack(self, call: Call, n: int, *, flush: bool = True) -> None:
         """``n`` received bytes of ``call`` are consumed: give them back to the windows (h2
-        sends a WINDOW_UPDATE once half a window is due). ``flush=False``: the reader, which
-        flushes after each read."""
+        queues a WINDOW_UPDATE once half a window is due; the writer is woken only then).
+        ``flush=False``: the reader, which flushes after each read."""
         try:
             self._h2.acknowledge_received_data(n, call.id)
         except h2.exceptions.H2Error:
             return  # the connection is closing
         if flush:
-            self._flush_soon()
+            out = self._h2.data_to_send()
+            if out:
+                self._out.append(out)
+                self._flush_soon()
 
     def _reset(self, call: Call, code: int) -> None:
         """Reset ``call``'s stream (nothing more is received on it; the messages already
@@ -466,15 +469,13 @@ class TrioH2Connection:
             self._ack_conn(size, call.id)
             call._fail(err)
             return
-        if call._queued < self.stream_window:
-            self._ack(call, size, flush=False)
-        else:
-            call._unacked += size
+        call._unacked += size
         if messages:
-            for msg in messages:
-                call._queued += len(msg) + 5
             call._messages.extend(messages)
             call._wake()
+        elif not call._messages:  # part of a message, the caller waiting: let the rest come
+            n, call._unacked = call._unacked, 0
+            self._ack(call, n, flush=False)
 
     def _ack_conn(self, size: int, stream_id: int) -> None:
         if size:
