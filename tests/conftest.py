@@ -1,6 +1,6 @@
 """Shared fixtures.
 
-``OPENENGINE_SIDECAR_ENGINE_TRANSPORT=trio`` runs the whole session on the trio-native Generate
+``OPENENGINE_SIDECAR_ENGINE_TRANSPORT=grpclib`` runs the whole session on the grpclib Generate
 transport: the sidecars the tests start read it as ``run --engine-transport``, and the engine
 clients the tests open in-process take it as their default.
 """

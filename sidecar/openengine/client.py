@@ -68,7 +68,7 @@ __all__ = ["TRANSPORTS", "EngineClient", "EngineStream", "Keepalive", "open_engi
 #: trio-native HTTP/2 connection on the h2 library (:mod:`sidecar.openengine.trio_h2`).
 TRANSPORTS = ("grpclib", "trio")
 #: The transport of a client opened without one (tests may set it for a whole run).
-DEFAULT_TRANSPORT = "grpclib"
+DEFAULT_TRANSPORT = "trio"
 
 MetadataLike = Mapping[str, str] | Collection[tuple[str, str]]
 T = TypeVar("T")
