@@ -19,8 +19,6 @@ from __future__ import annotations
 import contextvars
 import logging
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 LEVELS = ("debug", "info", "warning", "error")
@@ -34,15 +32,24 @@ _CONTEXT: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar
 )
 
 
-@contextmanager
-def log_context(**fields: Any) -> Iterator[None]:
-    """Add ``fields`` to every record logged by this task (and tasks it starts) inside the block."""
-    current = _CONTEXT.get()
-    token = _CONTEXT.set({**current, **fields} if current else dict(fields))
-    try:
-        yield
-    finally:
-        _CONTEXT.reset(token)
+class log_context:  # lower case: used as a function, ``with log_context(...)``
+    """Add ``fields`` to every record logged by this task (and tasks it starts) inside the block.
+
+    A class rather than a ``contextmanager`` generator: it is entered twice per stream."""
+
+    __slots__ = ("_fields", "_token")
+
+    def __init__(self, **fields: Any) -> None:
+        self._fields = fields
+        self._token: contextvars.Token[dict[str, Any] | None] | None = None
+
+    def __enter__(self) -> None:
+        current = _CONTEXT.get()
+        self._token = _CONTEXT.set({**current, **self._fields} if current else self._fields)
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._token is not None:
+            _CONTEXT.reset(self._token)
 
 
 class _ContextFilter(logging.Filter):

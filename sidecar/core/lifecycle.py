@@ -638,10 +638,16 @@ class _Relay:
     async def _pump(self, stream: Any, idle: trio.CancelScope, timeout: float) -> None:
         """Relay every event to ``emit``. Per token only a few integer operations: tokens are
         added to ``TOKENS`` in bulk (every ``TOKENS_FLUSH`` and at the end), ``TTFT`` once,
-        ``ITL`` on a sample (the first gap, then one in ``ITL_SAMPLE``)."""
+        ``ITL`` on a sample (the first gap, then one in ``ITL_SAMPLE``).
+
+        ``idle``'s deadline bounds only the waits for the engine: it is lifted while events
+        are relayed (``emit`` may wait for a slow client) and set again (``timeout`` from
+        now) only when the next event has not arrived yet (``stream.ready``) — events that
+        arrived together cost no deadline change between them."""
         emit, started, now = self.emit, self.handle.admitted_at, trio.current_time
         flush, sample = metrics.TOKENS_FLUSH, metrics.ITL_SAMPLE
         progress = self.progress
+        armed = idle.deadline != math.inf  # the first-event bound
         tokens = events = 0
         gap_start: float | None = None  # set at the token event that opens a sampled gap
         try:
@@ -665,13 +671,13 @@ class _Relay:
                     if tokens >= flush:
                         metrics.TOKENS.inc(tokens)
                         tokens = 0
-                if timeout:
+                if armed:
                     idle.deadline = math.inf
-                    await emit(ev)
-                    idle.deadline = trio.current_time() + timeout
-                else:
-                    idle.deadline = math.inf  # the first-event bound is met
-                    await emit(ev)
+                    armed = False
+                await emit(ev)
+                if timeout and not stream.ready:
+                    idle.deadline = now() + timeout
+                    armed = True
         finally:
             if tokens:
                 metrics.TOKENS.inc(tokens)

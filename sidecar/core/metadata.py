@@ -97,6 +97,10 @@ class NormalizedMetadata:
         return dict(self.pairs)
 
 
+#: What no metadata normalizes to (immutable: shared by every request that has none).
+_NO_METADATA = NormalizedMetadata()
+
+
 def valid_traceparent(value: str) -> bool:
     """W3C Trace Context ``traceparent`` check (level 1, forward-compatible versions)."""
     m = _TRACEPARENT.fullmatch(value)
@@ -143,6 +147,8 @@ def normalize_metadata(
     ``dp_ranks`` are this worker's ranks (``WorkerCard.dp_ranks``); ``None`` skips the
     membership check of ``openengine-target-dp-rank``.
     """
+    if not metadata:
+        return _NO_METADATA
     items = _items(metadata)
     if len(items) > MAX_KEYS:
         invalid_argument(f"too many metadata keys ({len(items)} > {MAX_KEYS})")

@@ -54,6 +54,7 @@ class BatchWriter:
         self.ws = ws
         self.max_write = max_write
         self.interrupted = False
+        self._batched = supported(ws)  # checked once per connection, not per write
         self._scope: trio.CancelScope | None = None
 
     def interrupt(self) -> None:
@@ -69,7 +70,7 @@ class BatchWriter:
         bytes (frame-aligned; a larger frame alone), the socket released between writes;
         ``ConnectionClosed`` as ``send_message`` would raise it, or once interrupted."""
         ws = self.ws
-        if not supported(ws):
+        if not self._batched:
             for frame in frames:
                 await ws.send_message(frame)
             return

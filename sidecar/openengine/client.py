@@ -59,7 +59,7 @@ from sidecar.openengine.errors import (
 from sidecar.openengine.fastencode import encode_generate_request
 from sidecar.openengine.message_limits import EngineLimits, run_sized
 from sidecar.openengine.stream_rules import DrainRules, GenerateRules, KvEventRules
-from sidecar.openengine.trio_generate import RequestHead, open_call
+from sidecar.openengine.trio_generate import OpenCall, RequestHead
 from sidecar.openengine.trio_pool import ConnectionPool
 
 __all__ = ["TRANSPORTS", "EngineClient", "EngineStream", "Keepalive", "open_engine_client"]
@@ -188,6 +188,17 @@ class EngineStream(Generic[T]):
     def terminal_seen(self) -> bool:
         return self._rules.terminal
 
+    @property
+    def ready(self) -> bool:
+        """The next step (a message or the end) needs no wait for the engine: it arrived
+        already (a relay arms its inactivity deadline only before a wait)."""
+        if self._done:
+            return True
+        source = self._receive
+        if isinstance(source, trio.MemoryReceiveChannel):  # the grpclib pump's channel
+            return source.statistics().current_buffer_used > 0
+        return bool(source.ready)  # trio_generate.CallSource
+
     def __aiter__(self) -> EngineStream[T]:
         return self
 
@@ -213,6 +224,25 @@ class EngineStream(Generic[T]):
             self._done = True
             raise
         return item
+
+
+class _TrioGenerate(OpenCall):
+    """``async with``: the :class:`EngineStream` of a Generate call on the trio-native transport
+    (a class, not an ``asynccontextmanager``: see :class:`OpenCall`)."""
+
+    __slots__ = ("_request_id", "_rules")
+
+    def __init__(self, rules: _Rules[pb.GenerateResponse], request_id: str, *call: Any) -> None:
+        """``call``: the arguments of :class:`OpenCall`."""
+        super().__init__(*call)
+        self._rules = rules
+        self._request_id = request_id
+
+    async def __aenter__(self) -> EngineStream[pb.GenerateResponse]:  # type: ignore[override]
+        source = await super().__aenter__()
+        stream: EngineStream[pb.GenerateResponse] = EngineStream(source, self._rules, self._request_id)  # type: ignore[arg-type]
+        source.stream = stream
+        return stream
 
 
 class EngineClient:
@@ -263,6 +293,10 @@ class EngineClient:
             },
         }
         self._trio_pool: ConnectionPool | None = None  # --engine-transport trio (``_start``)
+        self._generate_decode = partial(Codec().decode, message_type=pb.GenerateResponse)
+        self._generate_decode_large = partial(
+            run_sized, self._generate_decode, inline_max=0, limiter=self._decode_limiter
+        )
         authority = "localhost" if address.path is not None else f"{address.host}:{address.port}"
         self._generate_head = RequestHead(authority, _INFERENCE + "Generate")
         self._closed = False
@@ -516,23 +550,20 @@ class EngineClient:
     async def _pick_generate(self) -> Picked:
         return await self._generate.acquire()
 
-    @asynccontextmanager
-    async def _trio_generate(
+    def _trio_generate(
         self, request: pb.GenerateRequest, rules: _Rules[pb.GenerateResponse], metadata: MetadataLike | None
-    ) -> AsyncIterator[EngineStream[pb.GenerateResponse]]:
+    ) -> _TrioGenerate:
         """A Generate stream on the trio-native transport (:mod:`sidecar.openengine.trio_generate`)."""
-        decode = partial(Codec().decode, message_type=pb.GenerateResponse)
-        async with open_call(
+        return _TrioGenerate(
+            rules,
+            request.request_id,
             self._trio_pool,
             self._generate_head.headers(_timeout(), _metadata(metadata)),
             encode_generate_request(request) or bytes(request),
-            decode,
-            partial(run_sized, decode, inline_max=0, limiter=self._decode_limiter),
+            self._generate_decode,
+            self._generate_decode_large,
             self.limits.decode_inline_bytes,
-        ) as source:
-            stream: EngineStream[pb.GenerateResponse] = EngineStream(source, rules, request.request_id)  # type: ignore[arg-type]
-            source.stream = stream
-            yield stream
+        )
 
     def generate(
         self, request: pb.GenerateRequest, *, metadata: MetadataLike | None = None, checked: bool = True

@@ -13,8 +13,7 @@ or connection -> :class:`EngineUnavailable`, a message over its bound ->
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -31,7 +30,7 @@ from sidecar.openengine.errors import (
 from sidecar.openengine.trio_h2 import Call, CallError
 from sidecar.openengine.trio_pool import ConnectionPool
 
-__all__ = ["CallSource", "RequestHead", "call_error", "open_call"]
+__all__ = ["CallSource", "OpenCall", "RequestHead", "call_error"]
 
 
 class RequestHead:
@@ -137,36 +136,63 @@ class CallSource:
                 )
             ) from None
 
+    @property
+    def ready(self) -> bool:
+        """The next :meth:`receive` needs no wait for the engine."""
+        return self._call is None or self._call.ready
+
     def close(self) -> None:
         return None
 
 
-@asynccontextmanager
-async def open_call(
-    pool: ConnectionPool | None,
-    headers: list[tuple[bytes, bytes]],
-    body: bytes,
-    decode: Callable[[bytes], Any],
-    decode_large: Callable[[bytes], Awaitable[Any]],
-    inline_max: int,
-) -> AsyncIterator[CallSource]:
-    """A call on a connection of ``pool``, as a :class:`CallSource`. Entering never fails: a call
+class OpenCall:
+    """``async with OpenCall(pool, headers, body, decode, decode_large, inline_max) as source``:
+    a call on a connection of ``pool``, as a :class:`CallSource`. Entering never fails: a call
     that cannot start fails at the first ``receive``. Leaving resets the stream unless it ended
-    (RST_STREAM queued synchronously) and gives its place in the pool back."""
-    call: Call | None = None
-    release: Callable[[], None] | None = None
-    failure: BaseException | None = None
-    try:
-        if pool is None:
-            raise CallError("engine client is closed or was not opened by open_engine_client", lost=True)
-        conn, release = await pool.acquire()
-        call = conn.start_call(headers, body)
-    except CallError as err:
-        failure = call_error(err)
-    try:
-        yield CallSource(call, failure, decode, decode_large, inline_max)
-    finally:
-        if call is not None:
-            call.cancel()
-        if release is not None:
-            release()
+    (RST_STREAM queued synchronously) and gives its place in the pool back.
+
+    A class rather than an ``asynccontextmanager``: one per request, and trio registers every
+    async generator it runs (docs/PERFORMANCE.md, optimisation 14)."""
+
+    __slots__ = ("_body", "_call", "_decode", "_decode_large", "_headers", "_inline_max", "_pool", "_release")
+
+    def __init__(
+        self,
+        pool: ConnectionPool | None,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        decode: Callable[[bytes], Any],
+        decode_large: Callable[[bytes], Awaitable[Any]],
+        inline_max: int,
+    ) -> None:
+        self._pool = pool
+        self._headers = headers
+        self._body = body
+        self._decode = decode
+        self._decode_large = decode_large
+        self._inline_max = inline_max
+        self._call: Call | None = None
+        self._release: Callable[[], None] | None = None
+
+    async def __aenter__(self) -> CallSource:
+        failure: BaseException | None = None
+        try:
+            if self._pool is None:
+                raise CallError("engine client is closed or was not opened by open_engine_client", lost=True)
+            conn, self._release = await self._pool.acquire()
+            self._call = conn.start_call(self._headers, self._body)
+        except CallError as err:
+            failure = call_error(err)
+        except BaseException:
+            self._leave()
+            raise
+        return CallSource(self._call, failure, self._decode, self._decode_large, self._inline_max)
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._leave()
+
+    def _leave(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+        if self._release is not None:
+            self._release()

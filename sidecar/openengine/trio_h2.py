@@ -104,15 +104,18 @@ class Call:
 
     async def receive(self) -> bytes | None:
         """The next message; ``None`` once the call ended with status OK. Raises
-        :class:`CallError` (after the messages that came before it)."""
+        :class:`CallError` (after the messages that came before it). One schedule point per
+        call, as trio's own channels: the wait when there was nothing yet, else a yield."""
         await trio.lowlevel.checkpoint_if_cancelled()
+        waited = False
         while True:
             if self._messages:
                 msg = self._messages.popleft()
                 if self._unacked and not self._messages:  # caught up: the engine may send on
                     n, self._unacked = self._unacked, 0
                     self._conn._ack(self, n)
-                await trio.lowlevel.cancel_shielded_checkpoint()
+                if not waited:
+                    await trio.lowlevel.cancel_shielded_checkpoint()
                 return msg
             if self._failure is not None:
                 raise self._failure
@@ -127,6 +130,12 @@ class Call:
                 return trio.lowlevel.Abort.SUCCEEDED
 
             await trio.lowlevel.wait_task_rescheduled(abort)
+            waited = True
+
+    @property
+    def ready(self) -> bool:
+        """:meth:`receive` would return (or raise) without waiting for the engine."""
+        return bool(self._messages) or self._failure is not None or self.status is not None
 
     def cancel(self) -> None:
         """Stop the call: RST_STREAM(CANCEL) unless it already ended (idempotent, synchronous)."""
