@@ -7,7 +7,9 @@ The rules are those of the grpclib pool (:mod:`sidecar.openengine.channel_pool`)
   until there are that many); streams spread over them, least-loaded first;
 - a connection takes at most ``cap`` streams: ``min(max_streams_per_connection, the peer's
   SETTINGS_MAX_CONCURRENT_STREAMS)``; a new connection's first streams wait for the peer's first
-  SETTINGS (at most :data:`SETTINGS_WAIT` s; until then ``max_streams_per_connection``);
+  SETTINGS (at most :data:`SETTINGS_WAIT` s; until then the peer is assumed to allow
+  :data:`ASSUMED_PEER_STREAMS`, so a loaded engine slower than that to send its SETTINGS is not
+  sent more streams than h2/grpclib servers allow — it would close the connection);
 - when every kept connection is full, streams go to the oldest extra connection with room; when
   none has room another is opened (at most ``max_connections``); past that a stream waits for
   room (bounded by its caller's deadline);
@@ -33,6 +35,9 @@ from sidecar.openengine.trio_h2 import CallError, TrioH2Connection
 
 #: How long a stream on a new connection waits for the peer's first SETTINGS frame.
 SETTINGS_WAIT = 2.0
+#: Streams a peer is taken to allow until its SETTINGS arrive: the least RFC 9113 recommends,
+#: and what h2-based servers (grpclib) advertise.
+ASSUMED_PEER_STREAMS = 100
 #: Bound of one connection attempt.
 CONNECT_TIMEOUT = 10.0
 #: How many times :meth:`ConnectionPool.acquire` moves a stream off a connection whose cap
@@ -101,7 +106,7 @@ class ConnectionPool:
 
     def _cap(self, slot: _Slot) -> int:
         peer = slot.conn.peer_max_streams if slot.conn is not None else None
-        return self.max_streams if peer is None else max(0, min(self.max_streams, peer))
+        return min(self.max_streams, ASSUMED_PEER_STREAMS if peer is None else max(0, peer))
 
     # -- acquire / release ---------------------------------------------------------------------
 
@@ -230,4 +235,4 @@ class ConnectionPool:
         self._room.set()
 
 
-__all__ = ["CONNECT_TIMEOUT", "SETTINGS_WAIT", "ConnectionPool"]
+__all__ = ["ASSUMED_PEER_STREAMS", "CONNECT_TIMEOUT", "SETTINGS_WAIT", "ConnectionPool"]
