@@ -5,14 +5,18 @@ trio-asyncio loop, and pulls one chunk per ``__anext__``. The stream itself is a
 owned by the plane's stream nursery and runs the SAME admission and lifecycle as the
 WebSocket plane (``Sidecar.admit`` / ``Sidecar.run_stream``):
 
-    Dynamo ──handler(request, context)──▶ job ──dispatcher──▶ stream task (trio)
-           ◀──yield chunk── bounded trio channel ◀──emit(event)──┘
+    Dynamo ──handler(request, context)──▶ job ──start_soon──▶ stream task (trio)
+           ◀──yield chunk── bounded trio channel ◀──emit(event)──┘  (+ Job.wake)
 
-- The handler only hands the job over (a synchronous ``send_nowait``) and reads the
-  channel: ``receive_nowait`` while chunks are queued (several queued token chunks of one
-  output are merged into one), else it awaits the channel through the captured loop's
-  ``trio_as_future`` (trio-asyncio's current-loop context is not set inside Dynamo's
-  handler, so the loop object is used directly).
+- The handler starts the job's trio task itself (a synchronous ``start_soon`` into the
+  bridge's stream nursery, run in the bridge's own context: the handler's asyncio context
+  lacks trio-asyncio's current loop) and reads the channel: ``receive_nowait`` while chunks
+  are queued (several queued token chunks of one output are merged into one), else it
+  awaits a plain asyncio future that the stream task resolves right after it queues a chunk
+  or closes the channel (:meth:`Job.wake`). No trio task, timer or extra hop stands between
+  an engine event and the handler's ``yield``: the first chunk is one asyncio callback away
+  (``tests/dynamo/test_handler.py`` counts the scheduler passes). The bridge also makes the
+  loop run its queued callbacks in batches (``aio_batch``).
 - Cancellation: Dynamo does not cancel the handler when the HTTP client goes away; it
   stops or kills the request ``context``. The stream task watches
   ``context.async_killed_or_stopped()`` in its own nursery and cancels the stream — the
@@ -25,6 +29,8 @@ WebSocket plane (``Sidecar.admit`` / ``Sidecar.run_stream``):
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -35,6 +41,7 @@ import trio_asyncio
 from sidecar.core.errors import Rejection
 from sidecar.core.lifecycle import CANCELLED, ClientGone, Outcome
 from sidecar.dynamo import metrics
+from sidecar.dynamo.aio_batch import batch_ready_callbacks
 from sidecar.dynamo.mapping import ChunkMerger, chunk_of, error_kind, to_generate_request
 from sidecar.openengine import pb
 
@@ -59,7 +66,7 @@ class _Raise:
 class Job:
     """One Dynamo request on its way to (and through) the stream lifecycle."""
 
-    __slots__ = ("abandoned", "context", "handle", "request", "send", "stopped")
+    __slots__ = ("abandoned", "context", "handle", "request", "send", "stopped", "waiter")
 
     def __init__(self, request: Any, context: Any, stopped: Any, send: trio.MemorySendChannel[Any]) -> None:
         self.request = request
@@ -69,6 +76,15 @@ class Job:
         self.send = send
         self.handle: Any = None
         self.abandoned = False
+        #: The handler's asyncio future while it waits for a chunk (``None``: not waiting).
+        self.waiter: asyncio.Future[None] | None = None
+
+    def wake(self) -> None:
+        """A chunk was queued or the channel closed: resume the waiting handler (synchronous;
+        the handler's task runs at the loop's next callback)."""
+        waiter, self.waiter = self.waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def abandon(self) -> None:
         """The handler is gone: cancel the stream (idempotent, synchronous)."""
@@ -97,22 +113,37 @@ class StreamBridge:
         self.sidecar = sidecar
         self.loop = loop
         self.buffer = buffer
-        self._jobs_send, self._jobs_recv = trio.open_memory_channel[Job](10_000)
         self.active = 0
+        self._nursery: trio.Nursery | None = None
+        self._context: contextvars.Context | None = None
 
     # -- trio side ---------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Start a stream task per job until cancelled (then every stream is cancelled)."""
-        async with trio.open_nursery() as nursery:
-            task_status.started()
-            async with self._jobs_recv:
-                async for job in self._jobs_recv:
-                    nursery.start_soon(self.serve_job, job)
+        """Own the stream tasks (:meth:`submit` starts one per job) until cancelled; then every
+        stream is cancelled and no job is accepted any more."""
+        if self.loop is not None:
+            batch_ready_callbacks(self.loop)
+        try:
+            async with trio.open_nursery() as nursery:
+                self._context = contextvars.copy_context()
+                self._nursery = nursery
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._nursery = None
 
     def submit(self, job: Job) -> None:
-        """Hand a job to :meth:`run` (synchronous; callable from the asyncio handler)."""
-        self._jobs_send.send_nowait(job)
+        """Start ``job``'s stream task in :meth:`run`'s nursery (synchronous; called from the
+        asyncio handler, in the trio thread). Raises ``trio.ClosedResourceError`` when the
+        bridge is not running."""
+        nursery, context = self._nursery, self._context
+        if nursery is None or context is None:
+            raise trio.ClosedResourceError("the stream bridge is not running")
+        try:
+            context.run(nursery.start_soon, self.serve_job, job)
+        except RuntimeError:  # the nursery is closing
+            raise trio.ClosedResourceError("the stream bridge is stopping") from None
 
     async def serve_job(self, job: Job) -> None:
         """Admit and run one request; every exit closes ``job.send`` (the handler's end)."""
@@ -122,6 +153,7 @@ class StreamBridge:
                 await self._serve(job)
         finally:
             self.active -= 1
+            job.wake()
 
     async def _serve(self, job: Job) -> None:
         sidecar = self.sidecar
@@ -143,6 +175,7 @@ class StreamBridge:
             handle.cancel(OUTCOME_HANDLER_CLOSED)
         stopped = False
         send = job.send
+        wake = job.wake
 
         async def emit(ev: pb.GenerateResponse) -> None:
             chunk = chunk_of(ev, handle.kv_session_bytes)
@@ -151,10 +184,11 @@ class StreamBridge:
             try:
                 try:
                     send.send_nowait(chunk)
-                except trio.WouldBlock:
+                except trio.WouldBlock:  # the handler is behind: it reads before it waits
                     await send.send(chunk)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 raise ClientGone from None
+            wake()
 
         async with trio.open_nursery() as nursery:
             if job.stopped is not None:
@@ -185,6 +219,7 @@ class StreamBridge:
                 await job.send.send(_Raise(kind, outcome.message or outcome.kind))
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
+            job.wake()
 
     # -- asyncio side (Dynamo's handler) -----------------------------------------------------
 
@@ -195,13 +230,13 @@ class StreamBridge:
         job = Job(request, context, stopped, send)
         try:
             self.submit(job)
-        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+        except trio.ClosedResourceError:
             send.close()
             recv.close()
             if stopped is not None:
                 stopped.cancel()
             raise _exception(_Raise("EngineShutdown", "this worker is not serving")) from None
-        loop = self.loop
+        loop = self.loop or asyncio.get_running_loop()
         merge = ChunkMerger.merge
         pending: Any = None
         try:
@@ -209,15 +244,15 @@ class StreamBridge:
                 if pending is not None:
                     item, pending = pending, None
                 else:
-                    try:
-                        item = recv.receive_nowait()
-                    except trio.WouldBlock:
+                    while True:
                         try:
-                            item = await loop.trio_as_future(recv.receive)
+                            item = recv.receive_nowait()
+                            break
+                        except trio.WouldBlock:
+                            job.waiter = loop.create_future()
+                            await job.waiter
                         except trio.EndOfChannel:
                             return
-                    except trio.EndOfChannel:
-                        return
                 if isinstance(item, _Raise):
                     raise _exception(item)
                 while True:

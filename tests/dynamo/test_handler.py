@@ -17,11 +17,14 @@ import pytest
 import trio
 import trio_asyncio
 
+from sidecar.core.lifecycle import OUTCOME_COMPLETED, Outcome
 from sidecar.core.sidecar import Sidecar, SidecarConfig
 from sidecar.dynamo.handler import StreamBridge
 from sidecar.mock import tokenizer as tok
 from sidecar.mock.testing import InProcessEngine, mock_engine_in_process
+from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
+from tests.dynamo.test_aio_batch import pass_counter
 from tests.dynamo.test_mapping import dynamo_request
 from tests.polling import eventually
 
@@ -161,3 +164,47 @@ async def test_concurrent_streams(aio_loop: Any) -> None:
             assert results == dict.fromkeys(range(32), 50)
             c = await wait_idle(eng)
             assert c["requests_completed"] == 32 and c["aborts_received"] == 0
+
+
+async def test_first_chunk_is_not_held_behind_other_callbacks(aio_loop: Any) -> None:
+    """The engine's first event reaches Dynamo's side within a few scheduler passes while 64
+    other asyncio callbacks are always queued (what Dynamo's runtime threads keep posting for
+    the other streams of a loaded worker). Counted in trio passes, not seconds. Before: the
+    loop ran one callback per pass and the handler waited through a ``trio_as_future`` task,
+    so the chunk waited behind every queued callback (~64 passes)."""
+    with trio.fail_after(20):
+        async with bridge(aio_loop) as (b, _eng), pass_counter() as passes:
+            at: dict[str, int] = {}
+
+            async def run_stream(handle: Any, emit: Any) -> Outcome:
+                at["event"] = passes()
+                await emit(
+                    pb.GenerateResponse(
+                        request_id="first", token=pb.TokenOutput(tokens=[pb.TokenInfo(token_id=7)])
+                    )
+                )
+                return OUTCOME_COMPLETED
+
+            b.sidecar.run_stream = run_stream
+            stop = False
+
+            def other_stream() -> None:
+                if not stop:
+                    aio_loop.call_soon(other_stream)
+
+            for _ in range(64):
+                aio_loop.call_soon(other_stream)
+
+            async def consume() -> list[dict[str, Any]]:
+                out = []
+                async for chunk in b.handler(dynamo_request(), FakeContext("first")):
+                    at.setdefault("chunk", passes())
+                    out.append(chunk)
+                return out
+
+            try:
+                chunks = await trio_asyncio.aio_as_trio(consume)()
+            finally:
+                stop = True
+            assert chunks == [{"token_ids": [7], "index": 0}]
+            assert at["chunk"] - at["event"] <= 3, at
