@@ -124,14 +124,14 @@ class StreamBridge:
         stream is cancelled and no job is accepted any more."""
         if self.loop is not None:
             batch_ready_callbacks(self.loop)
-        try:
-            async with trio.open_nursery() as nursery:
-                self._context = contextvars.copy_context()
-                self._nursery = nursery
-                task_status.started()
+        async with trio.open_nursery() as nursery:
+            self._context = contextvars.copy_context()
+            self._nursery = nursery
+            task_status.started()
+            try:
                 await trio.sleep_forever()
-        finally:
-            self._nursery = None
+            finally:
+                self._nursery = None  # refused from here on, while the streams are cancelled
 
     def submit(self, job: Job) -> None:
         """Start ``job``'s stream task in :meth:`run`'s nursery (synchronous; called from the

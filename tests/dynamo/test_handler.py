@@ -208,3 +208,18 @@ async def test_first_chunk_is_not_held_behind_other_callbacks(aio_loop: Any) -> 
                 stop = True
             assert chunks == [{"token_ids": [7], "index": 0}]
             assert at["chunk"] - at["event"] <= 3, at
+
+
+async def test_a_stopped_bridge_refuses_at_once(aio_loop: Any) -> None:
+    """A request that reaches a bridge whose service has stopped is refused with Dynamo's
+    EngineShutdown, never served as an empty stream."""
+    with trio.fail_after(20):
+        async with bridge(aio_loop) as (b, eng):
+            stopped = StreamBridge(b.sidecar, aio_loop)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(stopped.run)
+                nursery.cancel_scope.cancel()
+            with pytest.raises(Exception, match="this worker is not serving") as err:
+                await collect(stopped, dynamo_request(), FakeContext("late"))
+            assert "EngineShutdown" in type(err.value).__name__ or "EngineShutdown" in str(err.value)
+            assert counters(eng)["requests_accepted"] == 0
