@@ -195,7 +195,7 @@ class EngineStream(Generic[T]):
         if self._done:
             return True
         source = self._receive
-        if isinstance(source, trio.MemoryReceiveChannel):  # the grpclib pump's channel
+        if type(source) is trio.MemoryReceiveChannel:  # the grpclib pump's channel
             return source.statistics().current_buffer_used > 0
         return bool(source.ready)  # trio_generate.CallSource
 

@@ -148,6 +148,40 @@ async def test_inactivity_timeout(server: RunningServer, supervisor: StreamSuper
     assert aborts(server) == ["r1"]
 
 
+class SlowSink(Sink):
+    """A client that takes ``delay`` seconds to take each event (the scenario, not a sync)."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+
+    async def __call__(self, ev: pb.GenerateResponse) -> None:
+        await trio.sleep(self.delay)
+        await super().__call__(ev)
+
+
+async def test_inactivity_timeout_counts_waits_for_the_engine_not_a_slow_client(
+    server: RunningServer, transport: str
+) -> None:
+    """Events that arrived together, each taking the client longer than the inactivity timeout
+    to take: the stream completes (the relay lifts the deadline while it relays, and sets it
+    only before waiting for the engine); once the engine then goes silent, the timeout fires."""
+    config = LifecycleConfig(abort_timeout=1.0, abort_retry_window=2.0, inactivity_timeout=0.2)
+    async with open_engine_client(server.address, transport=transport) as client:
+        supervisor = StreamSupervisor(client, config)
+        server.engine.streams["Generate"] = lambda r, md: tokens(r.request_id, 3)
+        sink = SlowSink(0.3)
+        with trio.fail_after(10):
+            outcome = await supervisor.run(supervisor.admit(request("slow")), sink)
+        assert outcome.kind == COMPLETED and len(sink.events) == 4
+
+        server.engine.streams["Generate"] = lambda r, md: [*tokens(r.request_id, 3)[:2], Gate()]
+        sink = SlowSink(0.3)
+        with trio.fail_after(10):
+            outcome = await supervisor.run(supervisor.admit(request("silent")), sink)
+        assert outcome.kind == FAILED and "no event" in outcome.message and len(sink.events) == 2
+
+
 async def test_inactivity_timeout_starts_after_the_first_event(
     server: RunningServer, supervisor: StreamSupervisor
 ) -> None:
