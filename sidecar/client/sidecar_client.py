@@ -38,6 +38,7 @@ from trio_websocket import (
     ConnectionClosed,
     ConnectionRejected,
     ConnectionTimeout,
+    DisconnectionTimeout,
     HandshakeError,
     WebSocketConnection,
     open_websocket_url,
@@ -438,7 +439,8 @@ async def open_sidecar(
     WebSocket PING every ``keepalive_interval`` seconds (0: never) must be answered within
     ``keepalive_timeout``, else the connection counts as lost (a hung sidecar or a dead path).
     Raises ``SidecarConnectionError`` if the connection cannot be opened. Leaving the block
-    closes the connection (open streams see it as lost; leave their blocks first).
+    closes the connection (open streams see it as lost; leave their blocks first), waiting at
+    most ``cancel_timeout`` for the sidecar's close reply.
     """
     full_url = sidecar_url(url)
     if coalesce:
@@ -448,6 +450,7 @@ async def open_sidecar(
         )
     enc = Encoding(encoding)
     connected = False
+    body_error: BaseException | None = None  # what the caller's block raised, if anything
     if full_url.startswith("wss://"):
         await _check_tls(full_url, ssl_context, connect_timeout)
     try:
@@ -470,11 +473,21 @@ async def open_sidecar(
                     nursery.start_soon(client._keepalive, keepalive_interval, keepalive_timeout)
                 try:
                     yield client
+                except BaseException as err:
+                    body_error = err
+                    raise
                 finally:
                     nursery.cancel_scope.cancel(reason="sidecar client closed")
+    except DisconnectionTimeout:
+        # Leaving the block: the close handshake got no answer within ``cancel_timeout`` (a
+        # frozen sidecar or a dead path). The connection is gone either way: nothing to raise
+        # but what the caller's block raised (trio-websocket raises the timeout in its place).
+        if body_error is not None:
+            raise body_error from None
+        log.debug("closing the connection to %s: no close reply within %gs", full_url, cancel_timeout)
     except (HandshakeError, OSError) as err:
         if connected:
-            raise  # from the caller's block, or a close timeout
+            raise  # from the caller's block
         raise SidecarConnectionError(
             f"cannot connect to {full_url}: {connect_failure(err, connect_timeout)}"
         ) from err

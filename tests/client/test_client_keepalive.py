@@ -40,6 +40,8 @@ class PonglessSidecar:
     ticks: int
     gap: float
     freeze: bool = False
+    #: reads nothing after the handshake (a SIGSTOPped sidecar: no PONG, no close reply)
+    frozen: bool = False
     port: int = 0
     pings: list[bytes] = field(default_factory=list)
 
@@ -58,6 +60,8 @@ class PonglessSidecar:
                 for event in ws.events():
                     if isinstance(event, Request):
                         await stream.send_all(ws.send(AcceptConnection()))
+                        if self.frozen:
+                            await trio.sleep_forever()
                     elif isinstance(event, Ping):
                         self.pings.append(bytes(event.payload))  # and no PONG
                     elif isinstance(event, CloseConnection):
@@ -122,4 +126,32 @@ async def test_a_silent_sidecar_without_pongs_is_lost_within_interval_plus_timeo
                 assert start is not None
                 # The last event, then at most one interval before the PING and its timeout (+ slack).
                 assert trio.current_time() - start < INTERVAL + TIMEOUT + 2.0
+            nursery.cancel_scope.cancel()
+
+
+async def test_leaving_the_block_of_a_frozen_sidecar_raises_nothing() -> None:
+    """The close handshake cannot complete against a frozen sidecar: leaving the block waits at
+    most ``cancel_timeout`` and raises nothing (it raised trio-websocket's DisconnectionTimeout,
+    which took down a P/D coordinator's connection pool in CI)."""
+    server = PonglessSidecar(ticks=0, gap=0, frozen=True)
+    with trio.fail_after(15):
+        async with trio.open_nursery() as nursery:
+            url = await serve(nursery, server)
+            start = trio.current_time()
+            async with open_sidecar(
+                url, keepalive_interval=INTERVAL, keepalive_timeout=TIMEOUT, cancel_timeout=0.5
+            ):
+                pass
+            assert trio.current_time() - start < 0.5 + 2.0
+            nursery.cancel_scope.cancel()
+
+
+async def test_an_error_in_the_block_survives_a_close_timeout() -> None:
+    server = PonglessSidecar(ticks=0, gap=0, frozen=True)
+    with trio.fail_after(15):
+        async with trio.open_nursery() as nursery:
+            url = await serve(nursery, server)
+            with pytest.raises(KeyError, match="mine"):
+                async with open_sidecar(url, keepalive_interval=0, cancel_timeout=0.5):
+                    raise KeyError("mine")
             nursery.cancel_scope.cancel()
