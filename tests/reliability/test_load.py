@@ -17,7 +17,7 @@ from tests.reliability.load import LoadConfig, RoundReport, run_round, summary
 pytestmark = pytest.mark.slow
 
 #: Every stream waits a second for its first token, so the 1,000 are in flight at once even when
-#: a loaded machine takes most of a second to open them (peaks of 660–728 were seen without it).
+#: a loaded machine takes most of a second to open them (peaks of 660 and 728 were seen without it).
 ENGINE = (
     "--flavor",
     "vllm",
