@@ -12,7 +12,8 @@ Rules (:meth:`GeneratePool.acquire`):
 - A channel takes at most ``cap`` streams: ``min(max_streams_per_channel, the peer's
   max_concurrent_streams)``. The peer's value is read from the connection's h2 state once its
   first SETTINGS frame has arrived (a new connection's first streams wait for it, up to
-  :data:`SETTINGS_WAIT` seconds); until then ``max_streams_per_channel`` applies.
+  :data:`SETTINGS_WAIT` seconds); until then at most :data:`ASSUMED_PEER_STREAMS` (100): h2-based
+  engines enforce that from their first byte and end the whole connection past it.
 - When every kept channel is full, streams go to the oldest extra channel with room; when none
   has room, another channel is opened (at most ``max_channels``; past that, the least-loaded
   channel is used and the stream may wait inside grpclib, as before this pool existed).
@@ -82,6 +83,10 @@ log = logging.getLogger(__name__)
 
 #: How long a stream on a new connection waits for the peer's first SETTINGS frame.
 SETTINGS_WAIT = 2.0
+#: Streams a peer is taken to allow until its SETTINGS arrive (both Generate pools): the least
+#: RFC 9113 recommends, and what h2-based servers (grpclib) advertise — and enforce from their
+#: first byte: h2 answers one stream more with GOAWAY, ending every stream on the connection.
+ASSUMED_PEER_STREAMS = 100
 
 #: How many times :meth:`GeneratePool.acquire` moves a stream off a channel whose cap turned out
 #: lower than its reservations before it settles for waiting inside grpclib.
@@ -421,7 +426,7 @@ class GeneratePool:
         return min(slots, key=lambda s: s.load), True
 
     def _add(self) -> _Slot:
-        slot = _Slot(self._new_channel(), self._limit)
+        slot = _Slot(self._new_channel(), min(self._limit, ASSUMED_PEER_STREAMS))
         self._slots.append(slot)
         return slot
 
@@ -447,7 +452,7 @@ class GeneratePool:
             if protocol is not slot.protocol:
                 slot.protocol = protocol
                 peer = peer_stream_limit(protocol)
-                slot.cap = self._limit if peer is None else max(1, min(self._limit, peer))
+                slot.cap = max(1, min(self._limit, ASSUMED_PEER_STREAMS if peer is None else peer))
         return slot.load <= slot.cap
 
     def _release(self, slot: _Slot) -> None:

@@ -31,13 +31,11 @@ from typing import Any
 
 import trio
 
+from sidecar.openengine.channel_pool import ASSUMED_PEER_STREAMS
 from sidecar.openengine.trio_h2 import CallError, TrioH2Connection
 
 #: How long a stream on a new connection waits for the peer's first SETTINGS frame.
 SETTINGS_WAIT = 2.0
-#: Streams a peer is taken to allow until its SETTINGS arrive: the least RFC 9113 recommends,
-#: and what h2-based servers (grpclib) advertise.
-ASSUMED_PEER_STREAMS = 100
 #: Bound of one connection attempt.
 CONNECT_TIMEOUT = 10.0
 #: How many times :meth:`ConnectionPool.acquire` moves a stream off a connection whose cap
