@@ -16,6 +16,7 @@ from sidecar.mock.testing import mock_engine_in_process
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
 from tests.openengine.fake_grpc_engine import generate_pool
+from tests.polling import eventually
 
 
 def request(rid: str, max_tokens: int = 5, **mock: Any) -> pb.GenerateRequest:
@@ -128,8 +129,15 @@ async def test_engine_launcher_raises_the_http2_stream_limit(
                         async for _ in stream:
                             await trio.sleep_forever()
 
+                async def one_open() -> bool:  # the engine's own count: another process
+                    return bool((await procs.engine_counters(address))["streams_open"] >= 1)
+
                 async with trio.open_nursery() as nursery:
-                    for i in range(150):
+                    # One stream first: the pool learns the engine's limit from its SETTINGS
+                    # (until then it assumes 100 per connection, as grpclib servers allow).
+                    nursery.start_soon(one, 0)
+                    await eventually(one_open, 20, interval=0.05)
+                    for i in range(1, 150):
                         nursery.start_soon(one, i)
                     while True:  # the engine's own count, polled: another process
                         counters = await procs.engine_counters(address)
