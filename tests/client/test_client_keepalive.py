@@ -9,6 +9,8 @@ writing, for a frozen one.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import pytest
@@ -93,30 +95,31 @@ async def send(stream: trio.SocketStream, ws: WSConnection, frame: str | bytes) 
     await stream.send_all(ws.send(event))
 
 
-async def serve(nursery: trio.Nursery, server: PonglessSidecar) -> str:
-    await nursery.start(server.run)
-    return f"ws://127.0.0.1:{server.port}"
+@asynccontextmanager
+async def serving(server: PonglessSidecar) -> AsyncIterator[str]:
+    """``server`` running for the block (its URL), stopped after."""
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.run)
+        yield f"ws://127.0.0.1:{server.port}"
+        nursery.cancel_scope.cancel()
 
 
 async def test_events_arriving_keep_a_connection_alive_without_pongs() -> None:
     # 4 s of events every 50 ms: many PING intervals pass, no PONG ever comes.
     server = PonglessSidecar(ticks=80, gap=0.05)
     with trio.fail_after(15):
-        async with trio.open_nursery() as nursery:
-            url = await serve(nursery, server)
+        async with serving(server) as url:
             async with open_sidecar(url, keepalive_interval=INTERVAL, keepalive_timeout=TIMEOUT) as sc:
                 async with sc.generate({"prompt": "x"}) as stream:
                     events = [e async for e in stream]
             assert len(events) == 80 and stream.end is not None and stream.end.outcome == "completed"
             assert len(server.pings) >= 3  # the keepalive did ping, and went unanswered
-            nursery.cancel_scope.cancel()
 
 
 async def test_a_silent_sidecar_without_pongs_is_lost_within_interval_plus_timeout() -> None:
     server = PonglessSidecar(ticks=2, gap=0.01, freeze=True)
     with trio.fail_after(15):
-        async with trio.open_nursery() as nursery:
-            url = await serve(nursery, server)
+        async with serving(server) as url:
             async with open_sidecar(url, keepalive_interval=INTERVAL, keepalive_timeout=TIMEOUT) as sc:
                 async with sc.generate({"prompt": "x"}) as stream:
                     with pytest.raises(SidecarConnectionError, match="no answer to a ping"):
@@ -126,7 +129,6 @@ async def test_a_silent_sidecar_without_pongs_is_lost_within_interval_plus_timeo
                 assert start is not None
                 # The last event, then at most one interval before the PING and its timeout (+ slack).
                 assert trio.current_time() - start < INTERVAL + TIMEOUT + 2.0
-            nursery.cancel_scope.cancel()
 
 
 async def test_leaving_the_block_of_a_frozen_sidecar_raises_nothing() -> None:
@@ -135,23 +137,19 @@ async def test_leaving_the_block_of_a_frozen_sidecar_raises_nothing() -> None:
     which took down a P/D coordinator's connection pool in CI)."""
     server = PonglessSidecar(ticks=0, gap=0, frozen=True)
     with trio.fail_after(15):
-        async with trio.open_nursery() as nursery:
-            url = await serve(nursery, server)
+        async with serving(server) as url:
             start = trio.current_time()
             async with open_sidecar(
                 url, keepalive_interval=INTERVAL, keepalive_timeout=TIMEOUT, cancel_timeout=0.5
             ):
                 pass
             assert trio.current_time() - start < 0.5 + 2.0
-            nursery.cancel_scope.cancel()
 
 
 async def test_an_error_in_the_block_survives_a_close_timeout() -> None:
     server = PonglessSidecar(ticks=0, gap=0, frozen=True)
     with trio.fail_after(15):
-        async with trio.open_nursery() as nursery:
-            url = await serve(nursery, server)
+        async with serving(server) as url:
             with pytest.raises(KeyError, match="mine"):
                 async with open_sidecar(url, keepalive_interval=0, cancel_timeout=0.5):
                     raise KeyError("mine")
-            nursery.cancel_scope.cancel()
