@@ -61,6 +61,7 @@ from sidecar.dynamo.options import dynamo_config, dynamo_options
 from sidecar.dynamo.plane import DynamoPlane, start_dynamo_plane
 from sidecar.kvbridge import KvBridgeConfig, KvConfigError, KvSourceError, run_kv_bridge
 from sidecar.kvbridge.options import kv_bridge_config, kv_bridge_options
+from sidecar.loopwatch import watch_loop
 from sidecar.north.http import build_app
 from sidecar.north.http_server import HttpLimits, serve_http
 from sidecar.north.limit_options import apply_limit_options, http_limits, limit_options
@@ -105,6 +106,7 @@ async def serve(
         )  # this process's one client
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as root:
+                root.start_soon(watch_loop)  # a starved or blocked loop says so in the log
                 limits = replace(http_limits or HttpLimits(), handshake_timeout=ws.handshake_timeout)
                 start = partial(
                     _start,

@@ -209,6 +209,10 @@ class _PendingCall:
         self.error: SidecarConnectionError | None = None
 
 
+#: The longest wait for the PING that confirms an unanswered one (see ``SidecarClient._keepalive``).
+CONFIRM_TIMEOUT = 2.0
+
+
 class SidecarClient:
     """One WebSocket connection to a sidecar; create with ``open_sidecar``."""
 
@@ -308,15 +312,19 @@ class SidecarClient:
         holding frames back (its reader idle), means the sidecar or the path to it is gone: every
         stream and call ends with ``SidecarConnectionError`` (a frozen sidecar never closes its
         connection). Frames still arriving prove the sidecar alive: on a busy connection whose
-        client reads slower than the sidecar writes, the PONG waits behind a backlog of events."""
+        client reads slower than the sidecar writes, the PONG waits behind a backlog of events.
+
+        One unanswered PING is confirmed by a second (``min(timeout, CONFIRM_TIMEOUT)``) before
+        the connection counts as lost: a client whose own process was starved of CPU past the
+        deadline wakes up with the PONG or frames still unread in its socket, and its reader
+        needs that long to take them (CI saw a busy test process declare a working sidecar lost)."""
         while self._lost is None:
             await trio.sleep(interval)
             if not (self._streams or self._calls) or not self._reader_idle:
                 continue
             received = self._frames_received
             try:
-                with trio.move_on_after(timeout):
-                    await self._ws.ping()
+                if await self._pinged(timeout) or await self._pinged(min(timeout, CONFIRM_TIMEOUT)):
                     continue
             except ConnectionClosed:
                 return  # the reader reports it
@@ -327,6 +335,13 @@ class SidecarClient:
                 self._connection_lost(
                     None, f"no answer to a ping within {timeout:g}s (sidecar hung or unreachable)"
                 )
+
+    async def _pinged(self, timeout: float) -> bool:
+        """True if the sidecar answers one PING within ``timeout``; raises ``ConnectionClosed``."""
+        with trio.move_on_after(timeout):
+            await self._ws.ping()
+            return True
+        return False
 
     async def _dispatch(self, msg: wire.ServerMessage) -> None:
         if type(msg) is wire.Event:
@@ -437,7 +452,8 @@ async def open_sidecar(
     ``Authorization: Bearer <token>`` (a sidecar run with ``--auth-token-file`` refuses the
     handshake without it: ``SidecarConnectionError``). While a stream or call is open, a
     WebSocket PING every ``keepalive_interval`` seconds (0: never) must be answered within
-    ``keepalive_timeout``, else the connection counts as lost (a hung sidecar or a dead path).
+    ``keepalive_timeout``, else (once a second PING confirms it, and no frame arrived meanwhile)
+    the connection counts as lost (a hung sidecar or a dead path).
     Raises ``SidecarConnectionError`` if the connection cannot be opened. Leaving the block
     closes the connection (open streams see it as lost; leave their blocks first), waiting at
     most ``cancel_timeout`` for the sidecar's close reply.

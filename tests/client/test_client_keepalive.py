@@ -9,8 +9,10 @@ writing, for a frozen one.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 
 import pytest
@@ -44,6 +46,9 @@ class PonglessSidecar:
     freeze: bool = False
     #: reads nothing after the handshake (a SIGSTOPped sidecar: no PONG, no close reply)
     frozen: bool = False
+    #: set on the first PING; with ``wait_for`` set, no event is sent before it is set
+    pinged: threading.Event = field(default_factory=threading.Event)
+    wait_for: threading.Event | None = None
     port: int = 0
     pings: list[bytes] = field(default_factory=list)
 
@@ -66,6 +71,7 @@ class PonglessSidecar:
                             await trio.sleep_forever()
                     elif isinstance(event, Ping):
                         self.pings.append(bytes(event.payload))  # and no PONG
+                        self.pinged.set()
                     elif isinstance(event, CloseConnection):
                         await stream.send_all(ws.send(event.response()))
                         return
@@ -81,6 +87,8 @@ class PonglessSidecar:
 
     async def _generate(self, stream: trio.SocketStream, ws: WSConnection, cmd: GenerateCommand) -> None:
         events = codec.EventEncoder(cmd.stream, cmd.encoding)
+        if self.wait_for is not None:
+            await trio.to_thread.run_sync(self.wait_for.wait, abandon_on_cancel=True)
         for i in range(self.ticks):
             token = pb.TokenOutput(output_index=0, tokens=[pb.TokenInfo(token_id=i, token="t")], text="t")
             await send(stream, ws, events.encode(pb.GenerateResponse(request_id="r", token=token)))
@@ -102,6 +110,53 @@ async def serving(server: PonglessSidecar) -> AsyncIterator[str]:
         await nursery.start(server.run)
         yield f"ws://127.0.0.1:{server.port}"
         nursery.cancel_scope.cancel()
+
+
+@contextmanager
+def serving_in_thread(server: PonglessSidecar) -> Iterator[str]:
+    """``server`` on its own trio loop in another thread (it keeps writing while the test's
+    loop is blocked), stopped after."""
+    started = threading.Event()
+    token: list[trio.lowlevel.TrioToken] = []
+    scopes: list[trio.CancelScope] = []
+
+    async def main() -> None:
+        with trio.CancelScope() as scope:
+            scopes.append(scope)
+            token.append(trio.lowlevel.current_trio_token())
+            async with trio.open_nursery() as nursery:
+                await nursery.start(server.run)
+                started.set()
+
+    thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
+    thread.start()
+    assert started.wait(10)
+    try:
+        yield f"ws://127.0.0.1:{server.port}"
+    finally:
+        token[0].run_sync_soon(scopes[0].cancel)
+        thread.join(10)
+
+
+async def test_a_client_starved_past_the_ping_deadline_keeps_its_connection() -> None:
+    """The client's own loop blocked past its PING's deadline (a CPU-starved client process)
+    while the sidecar kept writing: the events wait unread in the socket when the keepalive
+    wakes. The keepalive used to decide in that same pass, before the reader could count
+    them, and declared a working sidecar lost; a confirming PING now gives the reader time."""
+    stalling = threading.Event()
+    server = PonglessSidecar(ticks=40, gap=0.02, wait_for=stalling)
+    with serving_in_thread(server) as url, trio.fail_after(15):
+        async with open_sidecar(url, keepalive_interval=INTERVAL, keepalive_timeout=TIMEOUT) as sc:
+            async with sc.generate({"prompt": "x"}) as stream, trio.open_nursery() as nursery:
+
+                async def starve() -> None:
+                    await trio.to_thread.run_sync(server.pinged.wait, abandon_on_cancel=True)
+                    stalling.set()  # the server writes its events from now on...
+                    time.sleep(TIMEOUT + 0.5)  # noqa: ASYNC251 (this loop cannot run, past the deadline)
+
+                nursery.start_soon(starve)
+                events = [e async for e in stream]
+        assert len(events) == 40 and stream.end is not None and stream.end.outcome == "completed"
 
 
 async def test_events_arriving_keep_a_connection_alive_without_pongs() -> None:

@@ -10,7 +10,12 @@ from sidecar.core.metrics import REGISTRY
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "METRICS.md"
 #: Modules that register metrics when imported (the run command imports them all).
-MODULES = ("sidecar.core.load_metrics", "sidecar.kvbridge.metrics", "sidecar.dynamo.metrics")
+MODULES = (
+    "sidecar.core.load_metrics",
+    "sidecar.kvbridge.metrics",
+    "sidecar.dynamo.metrics",
+    "sidecar.loopwatch",
+)
 
 
 def exported_names() -> set[str]:

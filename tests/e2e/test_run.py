@@ -501,3 +501,18 @@ async def test_drain_engine_flag(aio_loop: Any, tmp_path: Path, engine_has_drain
                 assert health.state == pb.HealthState.DRAINING
             else:
                 assert "engine has no Drain RPC; draining locally only" in log
+
+
+async def test_a_stopped_sidecar_says_how_long_it_could_not_run(aio_loop: Any, tmp_path: Path) -> None:
+    """SIGSTOP for 1.5 s (what a starved CPU looks like to clients): after SIGCONT the log names
+    the stall and ``event_loop_stalls_total`` counts it."""
+    with trio.fail_after(60):
+        async with mock_engine(tmp_path) as engine, sidecar(engine.address) as sc:
+            sc.proc.signal(signal.SIGSTOP)
+            await trio.sleep(1.5)  # the fault's length, not a synchronization
+            sc.proc.signal(signal.SIGCONT)
+            line = await sc.proc.wait_for_line(
+                re.compile(r"event loop stalled: could not run for (\d+\.\d)s")
+            )
+            assert float(line.group(1)) >= 1.0
+            assert (await scrape(sc.http)).value("openengine_sidecar_event_loop_stalls_total") >= 1

@@ -41,8 +41,9 @@ CLIENT = {"keepalive_interval": 1.0, "keepalive_timeout": 2.0, "describe_timeout
 PD_ARGS = [*SIDECAR_ARGS, "--no-kv-events"]
 #: Time for the first flow to switch to the second prefill, per fault (short timers above):
 #: dead / refusing: at once; hung engine: its sidecar's Health probe (interval + call timeout)
-#: plus the PING timeout; hung sidecar: the coordinator's PING interval + timeout, or describe.
-SWITCH = {"dead": 1.0, "refusing": 1.0, "hung-engine": 0.5 + 1.5 + 2.0, "hung-sidecar": 1.0 + 2.0}
+#: plus the PING timeout; hung sidecar: the coordinator's PING interval + timeout + the
+#: confirming PING (``min(timeout, CONFIRM_TIMEOUT)``), or describe.
+SWITCH = {"dead": 1.0, "refusing": 1.0, "hung-engine": 0.5 + 1.5 + 2.0, "hung-sidecar": 1.0 + 2.0 + 2.0}
 
 
 @asynccontextmanager
