@@ -104,7 +104,17 @@ async def test_flows_fail_over_to_the_next_prefill(
                 assert end.prefill == sp2.ws and end.decode == sd.ws, end
                 assert len(tokens) >= 4
                 first = end.attempts[0]
-                assert first.role == "prefill" and first.url == sp1.ws and first.retryable, end.attempts
+                assert first.role == "prefill" and first.url == sp1.ws, end.attempts
+                # sp1's prefill failed retryable — or, in bootstrap, the decode's transfer from the
+                # dead prefill failed first and the coordinator cancelled that prefill (the race
+                # tests/client/test_disagg_flow.py pins down; CI saw it): sp1 is replaced either way
+                decode_failed_first = (
+                    flavor == "sglang"
+                    and first.result == "cancelled"
+                    and end.attempts[1].role == "decode"
+                    and end.attempts[1].result == "failed"
+                )
+                assert first.retryable or decode_failed_first, end.attempts
             assert took[0] < SWITCH[fault] + SLACK, took
             assert max(took[1:]) < SWITCH[fault] + SLACK, took
             for engine in (p2, d):
