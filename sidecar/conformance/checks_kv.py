@@ -11,6 +11,7 @@ once more when its batch was lost in such a gap (and passes or fails on rank att
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 
@@ -97,6 +98,11 @@ def _has_run(batch: SeenBatch, ids: list[int]) -> bool:
     return any(run and ",".join(map(str, run)) + "," in text for run in stored_runs(batch))
 
 
+def _stored(w: KvWatcher, rank: int, ids: list[int]) -> bool:
+    """Whether ``rank``'s batches seen by ``w`` hold the blocks of the prompt ``ids``."""
+    return any(_has_run(b, ids) for b in w.by_rank(rank))
+
+
 @check(
     "kv.rank",
     rule="KV event batches are attributed to the DP rank that stored the blocks: a request routed to "
@@ -140,8 +146,10 @@ async def rank(ctx: Context) -> str | None:
 async def _resume_native(ctx: Context, r0: int) -> list[str]:
     async with open_watcher(ctx, ranks=[r0]) as w:
         await warm_up(ctx, w, [r0])
-        await store_blocks(ctx, r0, "kv-resume")
-        await w.wait(lambda w: len(w.by_rank(r0)) >= 2, WAIT)
+        ids = await store_blocks(ctx, r0, "kv-resume")
+        # the batch with these blocks is the engine's latest: a number taken before it arrived
+        # may predate a publisher restart (kv.sequence's finding), and resuming from it fails
+        await w.wait(lambda w: _stored(w, r0, ids), WAIT)
         last = w.by_rank(r0)[-1].seq
     await store_blocks(ctx, r0, "kv-resume")
     problems = []
@@ -179,8 +187,8 @@ async def _resume_zmq(ctx: Context, r0: int) -> list[str]:
     async with open_watcher(ctx, ranks=[r0]) as w:
         await warm_up(ctx, w, [r0])
         for _ in range(2):
-            await store_blocks(ctx, r0, "kv-resume")
-        await w.wait(lambda w: len(w.by_rank(r0)) >= 3, WAIT)
+            ids = await store_blocks(ctx, r0, "kv-resume")
+        await w.wait(lambda w: len(w.by_rank(r0)) >= 3 and _stored(w, r0, ids), WAIT)
     seqs = [b.seq for b in w.by_rank(r0)]
     start = seqs[0]
     replayed, problem = await replay(source, start)
@@ -238,10 +246,7 @@ async def _sequence(ctx: Context, w: KvWatcher, ranks: list[int]) -> str:
     for r in ranks:
         ids = await store_blocks(ctx, r, "kv-seq")
 
-        def arrived(w: KvWatcher, r: int = r, ids: list[int] = ids) -> bool:
-            return any(_has_run(b, ids) for b in w.by_rank(r))
-
-        if not await w.wait(arrived, WAIT):
+        if not await w.wait(functools.partial(_stored, rank=r, ids=ids), WAIT):
             problems.append(
                 f"rank {r}: the batch with the blocks stored last did not arrive within {WAIT:g} s"
             )

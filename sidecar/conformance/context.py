@@ -291,12 +291,22 @@ class Context:
         return load.running_requests + (load.queued_requests or 0)
 
     async def wait_busy(self, baseline: int, timeout: float, which: str = "engine") -> bool:
-        """Poll GetLoad until more than ``baseline`` requests are running or queued."""
-        with trio.move_on_after(timeout):
+        """Poll GetLoad until more than ``baseline`` requests are running or queued.
+
+        Judged by answers, not by the clock alone: a poll under way at the deadline may finish
+        (bounded by another ``timeout``), and one more is made if none answered, so a host that
+        stalled every process past the deadline is not taken for an engine that never counted
+        the request."""
+        deadline = trio.current_time() + timeout
+        answered = False
+        with trio.move_on_after(2 * timeout):
             while True:
                 now = await self.busy(which)
                 if now is not None and now > baseline:
                     return True
+                answered = answered or now is not None
+                if trio.current_time() >= deadline and answered:
+                    return False
                 await trio.sleep(0.02)
         return False
 

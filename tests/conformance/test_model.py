@@ -98,3 +98,36 @@ async def test_context_without_an_engine_skips() -> None:
     ctx = Context(SuiteOptions())
     with pytest.raises(Skip, match="--prefill"):
         ctx.client("prefill")
+
+
+class _SlowLoad:
+    """Context.busy answers: each poll takes ``took[i]`` seconds and answers ``counts[i]``."""
+
+    def __init__(self, took: list[float], counts: list[int | None]) -> None:
+        self.took, self.counts, self.polls = took, counts, 0
+
+    async def __call__(self, which: str = "engine") -> int | None:
+        i = min(self.polls, len(self.counts) - 1)
+        self.polls += 1
+        await trio.sleep(self.took[min(i, len(self.took) - 1)])
+        return self.counts[i]
+
+
+async def test_wait_busy_is_judged_by_answers_not_by_a_stalled_clock(autojump_clock: Any) -> None:
+    """A poll under way at the deadline (a host that stalled the observer) may still answer:
+    the request is counted; an engine that answered 'not busy' to the end is not."""
+    ctx = Context(SuiteOptions())
+    stalled = _SlowLoad(took=[12.0, 0.01], counts=[1])  # the first answer comes after 12 s
+    ctx.busy = stalled  # type: ignore[method-assign]
+    assert await ctx.wait_busy(0, 10.0)
+    assert stalled.polls == 1
+    idle = _SlowLoad(took=[0.5], counts=[0])
+    ctx.busy = idle  # type: ignore[method-assign]
+    start = trio.current_time()
+    assert not await ctx.wait_busy(0, 10.0)
+    assert 10.0 <= trio.current_time() - start < 11.0
+    silent = _SlowLoad(took=[0.5], counts=[None])  # GetLoad never answers: bounded by 2x
+    ctx.busy = silent  # type: ignore[method-assign]
+    start = trio.current_time()
+    assert not await ctx.wait_busy(0, 10.0)
+    assert trio.current_time() - start == pytest.approx(20.0, abs=0.6)
