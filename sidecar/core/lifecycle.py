@@ -15,7 +15,11 @@ This module is the sidecar's cancellation contract (docs/LIFECYCLE.md):
   Still undelivered after that window (the engine unreachable: a partition, a hang), it is
   kept — at most ``max_undelivered_aborts``, the oldest dropped and counted — and re-sent
   once the engine answers again (sidecar/core/abort_backlog.py).
-  ``ABORTED``, ``ALREADY_FINISHED`` and ``NOT_FOUND`` all count as done.
+  ``ABORTED``, ``ALREADY_FINISHED`` and ``NOT_FOUND`` all count as done — but a ``NOT_FOUND``
+  for a request the engine had sent nothing on may mean the Abort (on the control connection)
+  overtook the request (on its Generate connection: a packet retransmitted, a partition
+  healing), so it is confirmed: sent again after each of ``abort_confirm_after``, the id
+  kept out of admission meanwhile.
 - :meth:`run` always returns exactly one :class:`Outcome`; the caller sends it as the
   stream's single ``end``.
 """
@@ -123,6 +127,9 @@ class LifecycleConfig:
     max_undelivered_aborts: int = 4096
     #: Longest ``request_id`` a client may give (it is echoed in every event of the stream).
     max_request_id_length: int = 256
+    #: Pauses after which an Abort answered NOT_FOUND is sent again when the engine had sent
+    #: nothing on the stream (the request may arrive after its Abort; module doc).
+    abort_confirm_after: tuple[float, ...] = (1.0, 10.0)
 
 
 class Gate:
@@ -212,6 +219,10 @@ class StreamSupervisor:
         self._aborting: set[str] = set()
         #: Kept Aborts being re-sent right now (a dropped one stays in ``_aborting`` till then).
         self._probing: set[str] = set()
+        #: Aborts of streams the engine sent nothing on: a NOT_FOUND for them is confirmed.
+        self._unanswered: set[str] = set()
+        #: Of those, the ones answered NOT_FOUND (confirmed once their Abort is done with).
+        self._not_found: set[str] = set()
         self.progress = EngineProgress()
         #: Aborts still owed after ``abort_retry_window`` (their ids stay in ``_aborting``).
         self.backlog = AbortBacklog(self.config.max_undelivered_aborts)
@@ -358,7 +369,8 @@ class StreamSupervisor:
         finally:
             try:
                 if relay.needs_abort():
-                    await self.abort(handle.request_id)
+                    assert relay.stream is not None
+                    await self.abort(handle.request_id, unanswered=relay.stream.messages == 0)
             finally:
                 self._release(handle)
         if client_gone:
@@ -379,7 +391,7 @@ class StreamSupervisor:
 
     # -- abort -----------------------------------------------------------------------------
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, *, unanswered: bool = False) -> None:
         """Abort ``request_id`` on the engine: shielded, bounded, retried in the background.
 
         Returns once the first attempt is answered, or after ``abort_timeout``, whichever comes
@@ -388,6 +400,8 @@ class StreamSupervisor:
         ``max_concurrent_aborts`` slots (a mass disconnect queues there instead of timing out
         thousands of concurrent calls), then calls, each bounded by ``abort_timeout``; no slot,
         no answer or a retryable failure: it is retried there within ``abort_retry_window``.
+        ``unanswered``: the engine sent nothing on the stream, so a NOT_FOUND is confirmed
+        (:meth:`_confirm`).
         """
         with trio.CancelScope(shield=True):
             answered = trio.Event()
@@ -396,6 +410,8 @@ class StreamSupervisor:
                     await self._first_attempt(request_id, answered)
                 return
             self._aborting.add(request_id)
+            if unanswered and self.config.abort_confirm_after:
+                self._unanswered.add(request_id)
             self._retry_nursery.start_soon(self._abort_in_background, request_id, answered)
             with trio.move_on_after(self.config.abort_timeout):
                 await answered.wait()
@@ -409,14 +425,55 @@ class StreamSupervisor:
         finally:
             answered.set()
             if not parked:
-                self._aborting.discard(request_id)
+                self._done_with(request_id)
+
+    def _done_with(self, request_id: str) -> None:
+        """The Abort of ``request_id`` is over: free its id, or, answered NOT_FOUND on a stream
+        the engine sent nothing on, keep it while :meth:`_confirm` sends it again."""
+        self._unanswered.discard(request_id)
+        if request_id in self._not_found and self._retry_nursery is not None:
+            self._not_found.discard(request_id)
+            self._retry_nursery.start_soon(self._confirm, request_id)
+            return
+        self._not_found.discard(request_id)
+        self._aborting.discard(request_id)
+
+    async def _confirm(self, request_id: str) -> None:
+        """Send a NOT_FOUND Abort again after each pause of ``abort_confirm_after`` until one
+        finds the request (it arrived after its first Abort) or they are used up; its id stays
+        out of admission until then (a confirmation must not end a new stream of that id)."""
+        try:
+            for pause in self.config.abort_confirm_after:
+                await trio.sleep(pause)
+                result = "no_answer"
+                async with self._abort_slots:
+                    with trio.move_on_after(self.config.abort_timeout):
+                        try:
+                            result = await self._abort_once(request_id)
+                        except _RetryableAbort:
+                            result = "no_answer"
+                        except EngineClientError:
+                            result = "failed"
+                metrics.child(metrics.ABORT_CONFIRMATIONS, result).inc()
+                if result in ("aborted", "already_finished"):
+                    if result == "aborted":
+                        log.warning(
+                            "abort of %s: the request reached the engine after its Abort (answered "
+                            "NOT_FOUND); aborted when confirmed %gs later",
+                            quote(request_id),
+                            pause,
+                        )
+                    return
+        finally:
+            self._not_found.discard(request_id)
+            self._aborting.discard(request_id)
 
     def _park(self, request_id: str) -> None:
         """Keep an Abort the engine could not be reached for (its id stays in ``_aborting``,
         so it is not admitted again meanwhile); the oldest kept is dropped when full."""
         dropped = self.backlog.add(request_id)
         if dropped is not None and dropped not in self._probing:  # else freed when that call ends
-            self._aborting.discard(dropped)
+            self._done_with(dropped)
 
     async def _redeliver(self) -> None:
         """Re-send the backlog's Aborts: the oldest first, as a probe; once it got an answer,
@@ -452,7 +509,7 @@ class StreamSupervisor:
             finally:
                 self._probing.discard(request_id)
                 if request_id not in self.backlog:  # done with, or dropped while it was sent
-                    self._aborting.discard(request_id)
+                    self._done_with(request_id)
 
     async def _first_attempt(self, request_id: str, answered: trio.Event) -> tuple[bool, bool, bool]:
         """One Abort attempt (a slot, then the call, each within ``abort_timeout``); sets
@@ -494,6 +551,8 @@ class StreamSupervisor:
         except EngineStatusError as err:
             if err.status == "NOT_FOUND":
                 self.backlog.answered()
+                if request_id in self._unanswered:
+                    self._not_found.add(request_id)
                 return "not_found"
             if err.retryable:
                 raise _RetryableAbort(answered=True) from err

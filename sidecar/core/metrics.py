@@ -62,6 +62,14 @@ ABORTS_UNDELIVERED = Gauge(
     registry=REGISTRY,
 )
 ABORT_RETRIES = Counter("openengine_sidecar_abort_retries", "Abort attempts retried.", registry=REGISTRY)
+ABORT_CONFIRMATIONS = Counter(
+    "openengine_sidecar_abort_confirmations",
+    "Aborts sent again after NOT_FOUND for a request the engine had sent nothing on (it may"
+    " have arrived after its Abort), by result (aborted: it had; not_found, already_finished,"
+    " failed, no_answer).",
+    ["result"],
+    registry=REGISTRY,
+)
 ENGINE_RECONNECTS = Counter(
     "openengine_sidecar_engine_reconnects", "Times the engine came back after being lost.", registry=REGISTRY
 )

@@ -18,6 +18,11 @@ Engine-wide faults (``--fault``):
 ``ignore-abort``           Abort answers ABORTED but the request keeps running.
 ``drop-aborts[=N]``        The first N Abort calls (default: all) fail with UNAVAILABLE;
                            they still count in ``aborts_received``.
+``late-generate[=S]``      A Generate request reaches the engine S seconds (default 1) after
+                           its stream opened, as when its packets are retransmitted after a
+                           network partition while the Abort came on another connection: it
+                           is registered only then, and a client reset meanwhile is noticed
+                           after it (``--orphans hold`` holds it).
 ``kv-gap[=N]``             KV events: skip a sequence number after N batches (default 1).
 ``kv-publisher-restart[=N]`` KV events: the publisher restarts at sequence 0 after N batches.
 ``kv-history-lost[=N]``    KV events: batch N (default 1) is lost with all older history.
@@ -169,6 +174,7 @@ ENGINE_FAULTS = (
             "no-drain",
             "ignore-abort",
             "drop-aborts",
+            "late-generate",
             "kv-gap",
             "kv-publisher-restart",
             "kv-history-lost",
@@ -239,6 +245,7 @@ class Faults:
     no_drain: bool = False
     ignore_abort: bool = False
     drop_aborts: int | None = None  # -1 = all
+    late_generate: float | None = None  # seconds
     kv_gap: int | None = None
     kv_publisher_restart: int | None = None
     kv_history_lost: int | None = None
@@ -376,6 +383,8 @@ def parse_faults(specs: Iterable[str], *, role: str = "aggregated") -> Faults:
             kw["wrong_role"] = value
         elif name == "drop-aborts":
             kw["drop_aborts"] = _int(name, value, -1)
+        elif name == "late-generate":
+            kw["late_generate"] = _float(name, value, 1.0)
         elif name == "slow-health":
             kw["slow_health"] = _int(name, value, 1)
         elif name == "kv-gap":

@@ -55,6 +55,7 @@ class SimulatedInference(pb.InferenceBase):
                     send, message, pb.ErrorCode.INVALID_ARGUMENT, "no input (fault late-invalid)"
                 )
                 return
+            reset = await _arrive_late(faults.late_generate) if faults.late_generate else None
             try:
                 req = engine.accept(message, request_metadata(), request_kv_session_bytes())
             except RoleMismatch as rej:
@@ -64,9 +65,28 @@ class SimulatedInference(pb.InferenceBase):
                 return
             except RequestRefused as rej:
                 raise _status(rej) from None
+            if reset is not None:  # the client reset the stream before the request "arrived"
+                engine.client_gone(req)
+                raise reset
             await run_request(engine, req, send)
         finally:
             engine.counters.streams_open -= 1
+
+
+async def _arrive_late(seconds: float) -> asyncio.CancelledError | None:
+    """Fault ``late-generate``: wait ``seconds`` before the request counts as arrived; a client
+    reset meanwhile (grpclib cancels the handler) does not cut the wait short (the request's
+    packets were on the wire before the reset's): it is returned, to be raised once the
+    request is registered."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + seconds
+    reset: asyncio.CancelledError | None = None
+    while (left := until - loop.time()) > 0:
+        try:
+            await asyncio.sleep(left)
+        except asyncio.CancelledError as err:
+            reset = reset or err
+    return reset
 
 
 async def _late_failure(

@@ -49,6 +49,11 @@ Runs on the asyncio side (trio-asyncio loop). The counts are reservations made b
 :meth:`acquire` and returned by the ``release`` callback it hands out; since grpclib closes
 (or resets) a stream before the caller releases it, a channel's reservation count is never
 below h2's own count of its open streams.
+
+A connection given up for dead is *reset* (:func:`discard_unsent`): a plain close would leave
+the kernel retransmitting what we had queued — a Generate's HEADERS, their RST_STREAM — for
+minutes, so a request could reach the engine long after its Abort was answered NOT_FOUND
+(docs/LIFECYCLE.md). Reset, nothing queued on a dead path arrives later.
 """
 
 from __future__ import annotations
@@ -57,6 +62,8 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -260,6 +267,15 @@ class _CoalescingTransport:
         return getattr(self._transport, name)
 
 
+def discard_unsent(sock: socket.socket | None) -> None:
+    """Make closing ``sock`` a reset (``SO_LINGER`` 0): what is still queued for the peer is
+    dropped instead of retransmitted after the close (a no-op for a Unix socket)."""
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
 class _PoolProtocol(ClientProtocol):
     """The client's connections: ``settings_seen``, coalesced writes, :data:`CLOSED_STREAMS_KEPT`
     closed streams remembered, and (with a :class:`Keepalive`) liveness."""
@@ -291,8 +307,10 @@ class _PoolProtocol(ClientProtocol):
         return str(peer) if peer else "(unix socket)"
 
     def abort(self) -> None:
-        """Drop the connection at once (no flush: the peer may never read)."""
+        """Drop the connection at once (no flush: the peer may never read), as a reset
+        (:func:`discard_unsent`)."""
         if self.transport is not None:
+            discard_unsent(self.transport.get_extra_info("socket"))
             self.transport.abort()
 
     def connection_lost(self, exc: BaseException | None) -> None:

@@ -49,7 +49,7 @@ import h2.settings
 import trio
 
 from sidecar.openengine._grpclib_internals import bound_closed_streams
-from sidecar.openengine.channel_pool import CLOSED_STREAMS_KEPT, PINGS_PER_SILENCE, Keepalive
+from sidecar.openengine.channel_pool import CLOSED_STREAMS_KEPT, PINGS_PER_SILENCE, Keepalive, discard_unsent
 from sidecar.openengine.grpc_http2 import (
     INTERNAL,
     MAX_HEADER_LIST,
@@ -210,6 +210,7 @@ class TrioH2Connection:
         self._outstanding: bytes | None = None
         self._ping_deadline = math.inf
         self._kick = trio.Event()
+        self._dead = False  # closed by liveness: reset, not closed (channel_pool.discard_unsent)
 
     @property
     def usable(self) -> bool:
@@ -252,14 +253,17 @@ class TrioH2Connection:
             self.settings_seen.set()
             self.closed.set()
             with trio.CancelScope(shield=True), trio.move_on_after(1):
-                try:
-                    self._h2.close_connection()
-                except h2.exceptions.ProtocolError:
-                    pass  # already closed (GOAWAY either way)
-                try:
-                    await self._stream.send_all(b"".join(self._out) + self._h2.data_to_send())
-                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
-                    pass
+                if self._dead:  # reset: nothing queued on a dead path may arrive later
+                    discard_unsent(getattr(self._stream, "socket", None))
+                else:
+                    try:
+                        self._h2.close_connection()
+                    except h2.exceptions.ProtocolError:
+                        pass  # already closed (GOAWAY either way)
+                    try:
+                        await self._stream.send_all(b"".join(self._out) + self._h2.data_to_send())
+                    except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                        pass
                 await self._stream.aclose()
 
     def close(self, reason: str = "engine connection closed") -> None:
@@ -575,6 +579,7 @@ class TrioH2Connection:
                 )
                 if on_dead is not None:
                     on_dead()
+                self._dead = True
                 self.close("the engine did not answer a PING in time")
                 return
             if self._outstanding is None and self._pings < PINGS_PER_SILENCE and self._owed():

@@ -22,6 +22,7 @@ from sidecar.core.lifecycle import (
     LifecycleConfig,
     StreamSupervisor,
 )
+from sidecar.metrics import REGISTRY
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
 from tests.openengine.fake_grpc_engine import Gate, RunningServer, Status, status, tokens
@@ -454,3 +455,93 @@ async def test_an_id_still_being_aborted_is_not_admitted_again(
         while "again" in supervisor._aborting:  # noqa: ASYNC110 - the retrier runs on its own schedule
             await trio.sleep(0.01)
     supervisor.admit(request("again"))
+
+
+def _confirmations(result: str) -> float:
+    return (
+        REGISTRY.get_sample_value("openengine_sidecar_abort_confirmations_total", {"result": result}) or 0.0
+    )
+
+
+async def _cancel_silent_stream(
+    server: RunningServer, supervisor: StreamSupervisor, rid: str, *, tokens_first: int = 0
+) -> None:
+    """Run a stream whose engine sends ``tokens_first`` tokens, then nothing; cancel it once
+    the engine has it (and the client its tokens); return after its Abort's first answer."""
+    gate = Gate()
+    server.engine.streams["Generate"] = lambda r, md: [
+        *tokens(r.request_id, tokens_first)[:tokens_first],
+        gate,
+    ]
+    sink = Sink()
+    handle = supervisor.admit(request(rid))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(supervisor.run, handle, sink)
+        await eventually(
+            lambda: (
+                any(s.route == "Generate" for s in server.engine.seen) and len(sink.events) >= tokens_first
+            )
+        )
+        handle.cancel(OUTCOME_CLIENT_CANCELLED)
+
+
+async def test_a_not_found_abort_of_a_stream_the_engine_sent_nothing_on_is_confirmed(
+    server: RunningServer,
+) -> None:
+    """The Abort may overtake its request (another connection; a retransmission after a
+    partition): NOT_FOUND for a stream the engine never answered is sent again after each
+    pause of abort_confirm_after until one finds it; the id stays reserved meanwhile."""
+    answers = ["NOT_FOUND", "NOT_FOUND", "ABORTED"]  # found on the second confirmation
+    calls: list[str] = []
+
+    def abort(r: Any) -> Any:
+        calls.append(r.request_id)
+        if answers[min(len(calls), len(answers)) - 1] == "NOT_FOUND":
+            raise status(Status.NOT_FOUND, "no such request (yet)")
+        return pb.AbortResponse(status=pb.AbortStatus.ABORTED)
+
+    server.engine.unary["Abort"] = abort
+    found_before = _confirmations("aborted")
+    config = LifecycleConfig(abort_timeout=1.0, abort_retry_window=2.0, abort_confirm_after=(0.2, 0.3, 0.3))
+    async with open_engine_client(server.address) as client, trio.open_nursery() as nursery:
+        sup = StreamSupervisor(client, config)
+        await nursery.start(sup.run_service)
+        with trio.fail_after(5):
+            await _cancel_silent_stream(server, sup, "late")
+            assert calls == ["late"]
+            with pytest.raises(Rejection) as busy:  # a confirmation must not end a new "late"
+                sup.admit(request("late"))
+            assert busy.value.code == pb.ErrorCode.DUPLICATE_REQUEST and busy.value.retryable
+            await eventually(lambda: "late" not in sup._aborting)
+        assert calls == ["late"] * 3  # the third confirmation was not needed
+        assert _confirmations("aborted") == found_before + 1
+        sup.admit(request("late"))
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_not_found_abort_is_confirmed_only_while_the_engine_may_not_have_the_request(
+    server: RunningServer,
+) -> None:
+    """NOT_FOUND for a stream the engine sent a token on is final (the engine had it); NOT_FOUND
+    on every confirmation: the id is freed after the last one."""
+    calls: list[str] = []
+
+    def abort(r: Any) -> Any:
+        calls.append(r.request_id)
+        raise status(Status.NOT_FOUND, "gone")
+
+    server.engine.unary["Abort"] = abort
+    config = LifecycleConfig(abort_timeout=1.0, abort_retry_window=2.0, abort_confirm_after=(0.1, 0.1))
+    async with open_engine_client(server.address) as client, trio.open_nursery() as nursery:
+        sup = StreamSupervisor(client, config)
+        await nursery.start(sup.run_service)
+        with trio.fail_after(5):
+            await _cancel_silent_stream(server, sup, "answered", tokens_first=1)
+            assert calls == ["answered"]
+            assert "answered" not in sup._aborting  # done: nothing to confirm
+            server.engine.seen.clear()
+            await _cancel_silent_stream(server, sup, "silent")
+            await eventually(lambda: "silent" not in sup._aborting)
+        assert calls == ["answered", "silent", "silent", "silent"]
+        assert not sup._unanswered and not sup._not_found
+        nursery.cancel_scope.cancel()

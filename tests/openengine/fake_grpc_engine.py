@@ -143,17 +143,24 @@ class RunningServer:
         self.server = grpclib.server.Server([engine], codec=Codec())
         self.address = ""
         self.transports: list[Any] = []
+        #: How each connection ended: None (the client closed it), or the error (a reset).
+        self.lost: list[BaseException | None] = []
         factory = self.server._protocol_factory
 
         def record_transport() -> Any:
             protocol = factory()
-            made = protocol.connection_made
+            made, lost = protocol.connection_made, protocol.connection_lost
 
             def connection_made(transport: Any) -> None:
                 self.transports.append(transport)
                 made(transport)
 
+            def connection_lost(exc: BaseException | None) -> None:
+                self.lost.append(exc)
+                lost(exc)
+
             protocol.connection_made = connection_made  # type: ignore[method-assign]
+            protocol.connection_lost = connection_lost  # type: ignore[method-assign]
             return protocol
 
         self.server._protocol_factory = record_transport  # type: ignore[method-assign]

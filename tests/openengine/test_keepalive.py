@@ -16,6 +16,7 @@ from sidecar.openengine.channel_pool import PINGS_PER_SILENCE, Keepalive
 from sidecar.openengine.client import open_engine_client
 from sidecar.openengine.errors import EngineUnavailable
 from tests.openengine.fake_grpc_engine import Gate, RunningServer, tokens
+from tests.polling import eventually
 
 INTERVAL, TIMEOUT = 0.2, 0.3
 
@@ -78,6 +79,9 @@ async def test_a_peer_that_stops_answering_is_closed_and_its_stream_fails(
             assert INTERVAL + TIMEOUT - 0.05 <= took < INTERVAL + TIMEOUT + 1.5, took
             assert dead == [1]
             await pause_server_reading(server, False)
+            # reset, not closed: what was queued on the dead path is dropped, not delivered late
+            await eventually(lambda: server.lost, timeout=5)
+            assert isinstance(server.lost[0], ConnectionResetError), server.lost
             server.engine.streams["Generate"] = lambda r, md: tokens(r.request_id, 2)
             async with client.generate(request("r2")) as again:  # a new connection serves
                 assert len([e async for e in again]) == 3

@@ -221,6 +221,43 @@ async def test_engine_that_ignores_abort_is_answered_but_leaks_on_its_side(
             assert c["orphans_expired"] == 1 and c["requests_leaked"] == 0
 
 
+async def _streams_open(address: str) -> bool:
+    return (await engine_counters(address))["streams_open"] > 0
+
+
+async def test_a_request_that_reaches_the_engine_after_its_abort_is_aborted_when_confirmed(
+    aio_loop: Any, tmp_path: Path
+) -> None:
+    """The Abort travels on the control connection, the request on its Generate connection:
+    after a partition heals (retransmission) the Abort can arrive first, answered NOT_FOUND,
+    and an engine that ignores stream resets then runs the request as an orphan (the soak saw
+    one). Fault ``late-generate``: the request registers 0.8 s after its stream opened. The
+    client cancels at once; the sidecar's NOT_FOUND for a stream the engine sent nothing on is
+    confirmed 1 s later, which finds the request and aborts it: nothing leaks."""
+    with trio.fail_after(40):
+        async with (
+            mock_engine(
+                tmp_path, "--flavor", "vllm", "--fault", "late-generate=0.8", "--orphan-timeout", "60"
+            ) as engine,
+            sidecar(engine.address) as sc,
+            open_sidecar(sc.ws) as client,
+        ):
+            async with client.generate(generate_request(max_tokens=500, requestId="late")) as s:
+                # the stream is open on the engine, the request not yet registered (0.8 s)
+                await eventually(lambda: _streams_open(engine.address), timeout=5)
+                await s.cancel()
+                end = await s.wait_end()
+            assert end.outcome == "cancelled", end
+            c = await wait_engine_idle(engine.address, timeout=10)
+            assert c["requests_leaked"] == 0 and c["orphans_expired"] == 0
+            assert c["orphans_aborted"] == 1  # it did run as an orphan, until the confirmation
+            assert c["aborts_received_by_id"] == {"late": 2}
+            assert c["abort_outcomes"] == {"NOT_FOUND": 1, "ABORTED": 1}
+            m = await scrape(sc.http)
+            assert m.value("openengine_sidecar_aborts_total", result="not_found") == 1
+            assert m.value("openengine_sidecar_abort_confirmations_total", result="aborted") == 1
+
+
 MASS_STREAMS = 2_000
 MASS_CONNECTIONS = 8
 
