@@ -12,8 +12,8 @@ import trio
 
 from sidecar.conformance import streams as rules
 from sidecar.conformance.checks_cancel import (
+    ANSWER_WITHIN,
     END_WITHIN,
-    SEEN_WITHIN,
     bootstrap_session,
     hold_running,
     ran_to_completion,
@@ -118,10 +118,10 @@ async def progress(ctx: Context) -> str | None:
         request = pb.DrainRequest(stop_accepting_new_requests=False)
         async with raw_drain(client, request) as stream:
             drain = DrainStream(stream)
-            with trio.move_on_after(SEEN_WITHIN):  # seeing STARTED: an observer's tolerance
+            with trio.move_on_after(ANSWER_WITHIN):  # seeing STARTED: an observer's tolerance
                 await drain.next()
             drain.check_skip()
-            require(drain.events, f"no drain event within {SEEN_WITHIN:g} s of Drain")
+            require(drain.events, f"no drain event within {ANSWER_WITHIN:g} s of Drain")
             with trio.move_on_after(PEEK):  # nothing terminal may come while work is in flight
                 while (event := await drain.next()) is not None and event.state != pb.DrainState.COMPLETE:
                     pass
@@ -158,10 +158,10 @@ async def deadline_zero(ctx: Context) -> str | None:
         start = trio.current_time()
         async with raw_drain(client, request) as stream, open_background_nursery() as nursery:
             drain = DrainStream(stream)
-            nursery.start_soon(live.rest, SEEN_WITHIN + IMMEDIATE + END_WITHIN)
+            nursery.start_soon(live.rest, ANSWER_WITHIN + IMMEDIATE + END_WITHIN)
             # "at once" counts from the engine's first answer (STARTED): seeing that one is an
             # observer's tolerance, as in drain.progress (a stalled host delays both ends)
-            with trio.move_on_after(SEEN_WITHIN) as window:
+            with trio.move_on_after(ANSWER_WITHIN) as window:
                 while (event := await drain.next()) is not None:
                     window.deadline = min(window.deadline, trio.current_time() + IMMEDIATE)
                     if event.state == pb.DrainState.COMPLETE or event.error is not None:
@@ -171,7 +171,7 @@ async def deadline_zero(ctx: Context) -> str | None:
             done = "COMPLETE" in drain.states()
     problems = []
     if not drain.events:
-        problems.append(f"no drain event within {SEEN_WITHIN:g} s of a Drain with deadline_ms 0")
+        problems.append(f"no drain event within {ANSWER_WITHIN:g} s of a Drain with deadline_ms 0")
     elif not done:
         problems.append(
             f"no COMPLETE within {IMMEDIATE:g} s of STARTED with deadline_ms 0 ({drain.states()})"
