@@ -443,8 +443,10 @@ class StreamSupervisor:
         finds the request (it arrived after its first Abort) or they are used up; its id stays
         out of admission until then (a confirmation must not end a new stream of that id)."""
         try:
+            waited = 0.0
             for pause in self.config.abort_confirm_after:
                 await trio.sleep(pause)
+                waited += pause
                 result = "no_answer"
                 async with self._abort_slots:
                     with trio.move_on_after(self.config.abort_timeout):
@@ -461,7 +463,7 @@ class StreamSupervisor:
                             "abort of %s: the request reached the engine after its Abort (answered "
                             "NOT_FOUND); aborted when confirmed %gs later",
                             quote(request_id),
-                            pause,
+                            waited,
                         )
                     return
         finally:
