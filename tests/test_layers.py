@@ -47,6 +47,7 @@ RANK: dict[str, int] = {
 CONFINED: dict[str, tuple[str, ...]] = {
     "grpclib": ("openengine",),
     "h2": ("openengine",),
+    "hpack": ("openengine",),
     # dynamo: Dynamo's runtime is asyncio and calls the worker's handler on the loop
     "asyncio": ("openengine", "mock", "bench", "engines", "dynamo"),
     # the fleet benchmark's anchor is a Dynamo worker of its own (its own process, no sidecar code)

@@ -1,16 +1,16 @@
-"""A trio-native HTTP/2 connection to the engine carrying gRPC server-streaming calls (Generate),
-on the ``h2`` library's state machine (``--engine-transport trio``).
+"""A trio-native HTTP/2 connection to the engine carrying gRPC server-streaming calls (Generate)
+(``--engine-transport trio``).
 
 Why (docs/PERFORMANCE.md, optimisation 13): per request, grpclib on the trio-asyncio loop costs
 an asyncio task, a trio task, a nursery and two loop hops. Here a connection is a plain trio
 object: one reader task and one writer task per connection; per call only a small
 :class:`Call` that the reader fills and the caller drains (no task, no loop hop). HTTP/2 framing,
-HPACK, flow-control accounting and the stream state machine are h2's
-(``h2.connection.H2Connection``); this module moves bytes and maps events to calls.
+flow-control accounting and the stream states are :mod:`sidecar.openengine.h2_client`'s (HPACK
+decoding the ``hpack`` library's); this module moves bytes and maps events to calls.
 
 :class:`TrioH2Connection` (``await nursery.start(conn.run)``):
 
-- writes: h2 buffers frames; the writer task sends them after the current scheduler pass, so
+- writes: the protocol object buffers frames; the writer task sends them after the current scheduler pass, so
   frames queued together (a new call's HEADERS + DATA, many calls' frames, WINDOW_UPDATEs) leave
   in one ``send``;
 - flow control: a call's bytes are acknowledged to h2 (which sends a WINDOW_UPDATE once half a
@@ -21,7 +21,7 @@ HPACK, flow-control accounting and the stream state machine are h2's
   back — the engine feels a slow client as backpressure on that request;
 - sizes: each message's gRPC length prefix is checked against ``max_message`` before the
   message is buffered (over it: the stream is reset and the call fails ``too_large``);
-- the peer's SETTINGS (``peer_max_streams``) are read from h2; a GOAWAY fails the calls the
+- the peer's SETTINGS (``peer_max_streams``) are applied; a GOAWAY fails the calls the
   peer did not process (``lost``, retryable) and the connection takes no new call;
 - liveness (``keepalive``, the rules of :mod:`sidecar.openengine.channel_pool`): a PING when the
   engine owes us frames and has sent no DATA/HEADERS for ``interval``, at most
@@ -41,15 +41,10 @@ import math
 import os
 from typing import Any
 
-import h2.config
-import h2.connection
-import h2.events
-import h2.exceptions
-import h2.settings
 import trio
 
-from sidecar.openengine._grpclib_internals import bound_closed_streams
-from sidecar.openengine.channel_pool import CLOSED_STREAMS_KEPT, PINGS_PER_SILENCE, Keepalive, discard_unsent
+from sidecar.openengine import h2_client as h2
+from sidecar.openengine.channel_pool import PINGS_PER_SILENCE, Keepalive, discard_unsent
 from sidecar.openengine.grpc_http2 import (
     INTERNAL,
     MAX_HEADER_LIST,
@@ -153,12 +148,8 @@ class Call:
         self._wake()
 
 
-#: Our request headers are fixed or checked by ``grpclib.metadata.encode_metadata``
-#: (:mod:`sidecar.openengine.trio_generate`): h2 need not check them again per request. What
-#: the engine sends is checked (``validate_inbound_headers``, h2's default).
-_H2_CONFIG = h2.config.H2Configuration(
-    client_side=True, header_encoding=None, validate_outbound_headers=False, normalize_outbound_headers=False
-)
+#: ``peer_max_streams`` when the engine's SETTINGS set no limit.
+UNLIMITED_STREAMS = 2**31
 
 
 class TrioH2Connection:
@@ -180,16 +171,7 @@ class TrioH2Connection:
         self.max_message = max_message
         self.keepalive = keepalive
         self.calls: dict[int, Call] = {}
-        self._h2 = h2.connection.H2Connection(config=_H2_CONFIG)
-        self._h2.local_settings = h2.settings.Settings(
-            client=True,
-            initial_values={
-                h2.settings.SettingCodes.ENABLE_PUSH: 0,
-                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: stream_window,
-                h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST,
-            },
-        )
-        bound_closed_streams(self._h2, CLOSED_STREAMS_KEPT)
+        self._h2 = h2.ClientConnection(stream_window=stream_window, max_header_list=MAX_HEADER_LIST)
         self._conn_window = conn_window
         self._writer: Any = None  # the writer task while it waits
         self._out: list[bytes] = []  # bytes taken from h2 by the reader, sent before h2's next
@@ -256,10 +238,7 @@ class TrioH2Connection:
                 if self._dead:  # reset: nothing queued on a dead path may arrive later
                     discard_unsent(getattr(self._stream, "socket", None))
                 else:
-                    try:
-                        self._h2.close_connection()
-                    except h2.exceptions.ProtocolError:
-                        pass  # already closed (GOAWAY either way)
+                    self._h2.close_connection()  # GOAWAY (already queued after a violation)
                     try:
                         await self._stream.send_all(b"".join(self._out) + self._h2.data_to_send())
                     except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
@@ -320,7 +299,7 @@ class TrioH2Connection:
         try:
             sid = conn.get_next_available_stream_id()
             conn.send_headers(sid, headers)
-        except h2.exceptions.H2Error as err:
+        except h2.H2Error as err:
             raise CallError(
                 f"engine connection refused a new stream ({type(err).__name__}: {err})", lost=True
             ) from None
@@ -351,18 +330,18 @@ class TrioH2Connection:
                 continue
             try:
                 self._send_body(call)
-            except h2.exceptions.H2Error:
+            except h2.H2Error:
                 continue  # the stream closed meanwhile
             if call._body:
                 self._sending.append(call)
 
     def _ack(self, call: Call, n: int, *, flush: bool = True) -> None:
-        """``n`` received bytes of ``call`` are consumed: give them back to the windows (h2
-        queues a WINDOW_UPDATE once half a window is due; the writer is woken only then).
+        """``n`` received bytes of ``call`` are consumed: give them back to the windows (a
+        WINDOW_UPDATE is queued once half a window is due; the writer is woken only then).
         ``flush=False``: the reader, which flushes after each read."""
         try:
             self._h2.acknowledge_received_data(n, call.id)
-        except h2.exceptions.H2Error:
+        except h2.H2Error:
             return  # the connection is closing
         if flush:
             out = self._h2.data_to_send()
@@ -379,8 +358,8 @@ class TrioH2Connection:
         if self.failure is None:
             try:
                 self._h2.reset_stream(call.id, code)
-            except h2.exceptions.H2Error:
-                pass  # already closed on h2's side
+            except h2.H2Error:
+                pass  # already closed on the protocol's side
             self._flush_soon()
         self._close_if_done()
 
@@ -409,7 +388,7 @@ class TrioH2Connection:
                     return
                 try:
                     events = conn.receive_data(data)
-                except h2.exceptions.ProtocolError as err:
+                except h2.ProtocolViolation as err:
                     log.warning("engine connection %s: %s; closing it", self.name, err)
                     self._lost(CallError(f"the engine broke HTTP/2 ({type(err).__name__}: {err})", lost=True))
                     return
@@ -424,37 +403,38 @@ class TrioH2Connection:
 
     def _event(self, event: Any) -> None:
         kind = type(event)
-        if kind is h2.events.DataReceived:
+        if kind is h2.DataReceived:
             self._on_data(event)
-        elif kind is h2.events.ResponseReceived:
+        elif kind is h2.ResponseReceived:
             self._on_response(event)
-        elif kind is h2.events.TrailersReceived:
+        elif kind is h2.TrailersReceived:
             self._on_trailers(event)
-        elif kind is h2.events.StreamEnded:
+        elif kind is h2.StreamEnded:
             call = self.calls.get(event.stream_id)
             if call is not None:  # END_STREAM without trailers
                 call._fail(CallError("Missing grpc-status header", UNKNOWN))
                 self._end(call)
-        elif kind is h2.events.StreamReset:
+        elif kind is h2.StreamReset:
             call = self.calls.get(event.stream_id)
             if call is not None:
                 self._end(call)
                 code = event.error_code
                 call._fail(CallError(f"the engine reset the stream (HTTP/2 error {code!s})", lost=True))
-        elif kind is h2.events.WindowUpdated or kind is h2.events.RemoteSettingsChanged:
-            if kind is h2.events.RemoteSettingsChanged:
-                self.peer_max_streams = self._h2.remote_settings.max_concurrent_streams
+        elif kind is h2.WindowUpdated or kind is h2.RemoteSettingsChanged:
+            if kind is h2.RemoteSettingsChanged:
+                peer = event.max_concurrent_streams
+                self.peer_max_streams = UNLIMITED_STREAMS if peer is None else peer
                 self.settings_seen.set()
             if self._sending:
                 self._resume_sends()
-        elif kind is h2.events.PingAckReceived:
+        elif kind is h2.PingAckReceived:
             if event.ping_data == self._outstanding:
                 self._outstanding = None
                 self._ping_deadline = math.inf
                 self._pings += 1
-        elif kind is h2.events.ConnectionTerminated:
+        elif kind is h2.ConnectionTerminated:
             self._on_goaway(event)
-        elif kind is h2.events.InformationalResponseReceived:
+        elif kind is h2.InformationalResponseReceived:
             self._seen()
 
     def _seen(self) -> None:
@@ -494,7 +474,7 @@ class TrioH2Connection:
         if size:
             try:
                 self._h2.acknowledge_received_data(size, stream_id)
-            except h2.exceptions.H2Error:
+            except h2.H2Error:
                 pass
 
     def _on_response(self, event: Any) -> None:
@@ -506,12 +486,12 @@ class TrioH2Connection:
         call._headers_seen = True
         problem = response_problem(headers)
         if problem is not None:
-            if event.stream_ended is None:
+            if not event.stream_ended:
                 self._reset(call, _CANCEL)
             else:
                 self._end(call)
             call._fail(CallError(problem[1], problem[0]))
-        elif event.stream_ended is not None:  # trailers-only
+        elif event.stream_ended:  # trailers-only
             call.status = grpc_status(headers)
             self._end(call)
             call._wake()
@@ -552,7 +532,7 @@ class TrioH2Connection:
         payload = os.urandom(8)
         try:
             self._h2.ping(payload)
-        except h2.exceptions.H2Error:
+        except h2.H2Error:
             return
         self._outstanding = payload
         self._last_ping = trio.current_time()

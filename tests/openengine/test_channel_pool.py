@@ -17,7 +17,7 @@ from h2.connection import H2Connection
 from h2.events import RemoteSettingsChanged
 
 from sidecar.mock.testing import mock_engine_in_process
-from sidecar.openengine import channel_pool, pb, trio_h2
+from sidecar.openengine import channel_pool, pb
 from sidecar.openengine._grpclib_internals import channel_protocol, closed_streams
 from sidecar.openengine.channel_pool import _CoalescingTransport
 from sidecar.openengine.client import EngineClient, open_engine_client
@@ -436,11 +436,10 @@ async def test_each_connection_remembers_a_bounded_number_of_closed_streams(
             assert control is not None and closed_streams(control)[1] == 10
 
 
-async def test_each_trio_connection_remembers_a_bounded_number_of_closed_streams(
-    server: RunningServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The same bound on the trio-native transport's h2 connections (CLOSED_STREAMS_KEPT)."""
-    monkeypatch.setattr(trio_h2, "CLOSED_STREAMS_KEPT", 10)
+async def test_a_trio_connection_remembers_no_closed_stream(server: RunningServer) -> None:
+    """The trio-native transport's connections keep state for open streams only (h2 needed
+    CLOSED_STREAMS_KEPT to bound what it remembered of closed ones): after 25 ended calls, and
+    while a 26th is open, one stream is known."""
     server.engine.streams["Generate"] = lambda r, md: tokens(r.request_id, 2)
     with trio.fail_after(20):
         async with open_engine_client(server.address, generate_channels=1, transport="trio") as client:
@@ -449,9 +448,12 @@ async def test_each_trio_connection_remembers_a_bounded_number_of_closed_streams
                     async for _ in stream:
                         pass
             (conn,) = generate_pool(client).connections()
-            _ = conn._h2.open_outbound_streams  # h2 files closed streams when it counts open ones
-            closed = conn._h2._closed_streams
-            assert (len(closed), closed._size_limit) == (10, 10)
+            assert conn._h2.streams == {} and conn.calls == {}
+            stalled(server)
+            async with client.generate(req("r25")) as stream:
+                await stream.__anext__()
+                assert list(conn._h2.streams) == [51]
+            assert conn._h2.streams == {}  # reset on leaving
 
 
 async def test_a_trio_connection_out_of_stream_ids_takes_no_new_stream(server: RunningServer) -> None:
