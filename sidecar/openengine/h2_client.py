@@ -19,7 +19,8 @@ received bytes into events (the classes below).
 
 Requests are encoded without touching the engine's HPACK table (static-table references and
 literals *without indexing*, RFC 7541 6.1/6.2.2), so a header's bytes never depend on what went
-before and each distinct header is encoded once per connection.
+before and each distinct header is encoded once per connection (only a peer lowering
+SETTINGS_HEADER_TABLE_SIZE below 4,096 gets the size update RFC 7541 4.2 requires, once).
 
 Errors: a peer that breaks the protocol raises :class:`ProtocolViolation` from
 :meth:`~ClientConnection.receive_data` (a GOAWAY with its ``code`` is queued; the connection is
@@ -269,6 +270,10 @@ class ClientConnection:
         self.max_outbound_frame_size = DEFAULT_MAX_FRAME
         self._peer_initial_window = DEFAULT_WINDOW
         self._settings_seen = False
+        # the size our encoder's (unused) dynamic table may have; lowering it below that must be
+        # signalled at the start of the next header block (RFC 7541 4.2; hpack and nghttp2 insist)
+        self._table_size = 4_096
+        self._table_update = b""
         # connection windows
         self._send_window = DEFAULT_WINDOW
         self._recv_window = DEFAULT_WINDOW
@@ -342,6 +347,8 @@ class ClientConnection:
                 encoded = cache[field] = encode_header(*field)
             parts.append(encoded)
         block = b"".join(parts)
+        if self._table_update:
+            block, self._table_update = self._table_update + block, b""
         self.highest_outbound_stream_id = stream_id
         stream = self.streams[stream_id] = _Stream(self._peer_initial_window, self.stream_window)
         flags = END_STREAM if end_stream else 0
@@ -523,7 +530,8 @@ class ClientConnection:
     def _on_continuation(self, flags: int, sid: int, payload: bytes, events: list[Event]) -> None:
         if self._block is None or sid != self._block_head[0]:
             raise self._violation("CONTINUATION without the HEADERS it continues")
-        self._block_size += len(payload)
+        # each frame's 9-byte header counts too: empty CONTINUATIONs cannot pile up without end
+        self._block_size += 9 + len(payload)
         if self._block_size > self.max_header_list:
             raise self._violation(f"a header block above {self.max_header_list} bytes", ENHANCE_YOUR_CALM)
         self._block.append(payload)
@@ -619,7 +627,10 @@ class ClientConnection:
                 self.max_outbound_frame_size = value
             elif key == ENABLE_PUSH and value > 1:
                 raise self._violation(f"SETTINGS_ENABLE_PUSH {value}")
-            # HEADER_TABLE_SIZE: we never index into the peer's table; others: advisory or unknown
+            elif key == HEADER_TABLE_SIZE and value < self._table_size:  # (we never index into it)
+                self._table_size = value
+                self._table_update = _integer(value, 5, 0x20)  # a dynamic table size update
+            # others: advisory or unknown
         self._frame(SETTINGS, ACK, 0)
         self._settings_seen = True
         events.append(RemoteSettingsChanged(self.max_concurrent_streams))
