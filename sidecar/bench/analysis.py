@@ -199,6 +199,9 @@ def goals(results: dict[str, Any]) -> list[dict[str, Any]]:
         goal("Dynamo: output tok/s vs anchor worker", x, ">= 0.9x", None if x is None else x >= 0.9, "x")
         x = r.get("ttft_p50_minus_anchor_ms")
         goal("Dynamo: TTFT p50 minus anchor's", x, "<= +5 ms", None if x is None else x <= 5, "ms")
+        x = (dyn or {}).get("paced", {}).get("ratios", {}).get("ttft_p50_minus_anchor_ms")
+        if x is not None:
+            goal("Dynamo at equal request rate: TTFT p50 minus anchor's", x, "<= +5 ms", x <= 5, "ms")
         x = r.get("worker_cpu_per_token_vs_anchor")
         goal("Dynamo: worker CPU/token vs anchor", x, "<= 1.2x", None if x is None else x <= 1.2, "x")
     lat = results.get("latency")

@@ -15,6 +15,12 @@ sidecar / anchor / mocker without restarting anything. The load is
 output tokens/s, requests/s, TTFT p50/p90, and CPU per output token and per request of the
 worker process (and of the frontend), medians over rounds.
 
+The rounds above are a closed loop (``concurrency`` users, each sending when its last request
+ended), so a worker that serves more requests per second also has more in flight per second on
+the same two cores — its TTFT pays for its own throughput. The **paced** rounds after them
+offer both ``sidecar`` and ``anchor`` the same open-loop request rate (:data:`PACED_SHARE` of
+the slower worker's closed-loop requests/s): TTFT at equal load (``paced`` in the results).
+
 Needs the ``dynamo`` extra (``scripts/install-dynamo``): without it the scenario reports
 ``skipped`` with the reason; without grpcio-tools, the anchor row is missing (said so).
 """
@@ -172,6 +178,7 @@ async def dynamo(b: Any) -> dict[str, Any]:
         b.say(f"  dynamo: {notes[-1]}")
     load = {"requests": c.dynamo_requests, "concurrency": c.dynamo_concurrency, "tokens": c.dynamo_tokens}
     rounds: dict[str, list[dict[str, Any]]] = {k: [] for k in names}
+    paced: dict[str, list[dict[str, Any]]] = {"sidecar": [], "anchor": []}
     profiles: dict[str, Any] = {}
     async with frontend(env) as (fe, url), workers(b, env, tok, names) as procs_by_kind:
 
@@ -193,6 +200,28 @@ async def dynamo(b: Any) -> dict[str, Any]:
                     f"{_us(res['cpu_s']['worker'], res['out_tokens']):.1f} µs/tok "
                     f"{_us(res['cpu_s']['worker'], res['completed']):,.0f} µs/req  errors {res['errors']}"
                 )
+        rate = _paced_rate(rounds)
+        if rate is not None:  # the same open-loop request rate for both: TTFT at equal load
+            for r in range(c.dynamo_rounds):
+                for kind in ("sidecar", "anchor"):
+                    await b.settle()
+                    pids = {"worker": procs_by_kind[kind].pid, "frontend": fe.pid, "engine": b.engine.pid}
+                    spec = {
+                        "mode": "fleet",
+                        "url": url,
+                        "model": names[kind],
+                        "pids": pids,
+                        **load,
+                        "rate": rate,
+                    }
+                    res = await procs.run_worker(spec, timeout=900)
+                    paced[kind].append(res)
+                    b.say(
+                        f"  dynamo paced {r + 1}/{c.dynamo_rounds} {kind:<8} {rate:,.1f} req/s offered, "
+                        f"{res['requests_per_s']:,.1f} done  TTFT p50 {res['ttft_ms']['p50']:.1f} "
+                        f"p90 {res['ttft_ms']['p90']:.1f} ms  worker "
+                        f"{_us(res['cpu_s']['worker'], res['completed']):,.0f} µs/req  errors {res['errors']}"
+                    )
         if c.profile_dir is not None:
             from sidecar.bench.scenarios import profile_round
 
@@ -202,12 +231,29 @@ async def dynamo(b: Any) -> dict[str, Any]:
                     spec = {"mode": "fleet", "url": url, "model": names[kind], "pids": pids, **load}
                     profiles[kind] = await profile_round(b, f"{kind}-dynamo", procs_by_kind[kind].pid, spec)
     out = fleet_figures(rounds)
+    if paced["sidecar"] and paced["anchor"]:
+        out["paced"] = fleet_figures(paced)
+        out["paced"]["rate"] = paced["sidecar"][0]["rate"]
     if profiles:
         out["profile"] = profiles
     out["config"] = {**load, "rounds": c.dynamo_rounds, "names": names}
     out["notes"] = notes
     out["runs"] = rounds
+    out["paced_runs"] = paced
     return out
+
+
+#: The paced rounds offer this share of the slower worker's closed-loop request rate.
+PACED_SHARE = 0.8
+
+
+def _paced_rate(rounds: dict[str, list[dict[str, Any]]]) -> float | None:
+    """The open-loop rate both workers are measured at: :data:`PACED_SHARE` of the slower one's
+    median closed-loop requests/s (None without both)."""
+    rates = [stats.median([r["requests_per_s"] for r in rounds.get(k, [])]) for k in ("sidecar", "anchor")]
+    if not all(rounds.get(k) for k in ("sidecar", "anchor")) or not all(x > 0 for x in rates):
+        return None
+    return round(PACED_SHARE * min(rates), 1)
 
 
 def _us(cpu_s: float, n: int) -> float:

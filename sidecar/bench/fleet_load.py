@@ -141,30 +141,57 @@ def completion_body(model: str, tokens: int, i: int, prompt_words: int = 20) -> 
 
 
 async def run_load(
-    url: str, model: str, requests: int, concurrency: int, tokens: int, first: int = 0
+    url: str,
+    model: str,
+    requests: int,
+    concurrency: int,
+    tokens: int,
+    first: int = 0,
+    rate: float | None = None,
 ) -> dict[str, Any]:
-    """``requests`` completions, ``concurrency`` at a time; wall time, TTFTs, tokens, errors."""
+    """``requests`` completions; wall time, TTFTs, tokens, errors. Closed loop (``rate`` None):
+    ``concurrency`` users, each sending its next request when the last ended. Open loop:
+    request ``i`` starts at ``i / rate`` seconds, whatever is in flight (at most
+    ``concurrency`` x 8 at once, a bound for a worker that stops answering)."""
     ttft: list[float] = []
     out_tokens = 0
     errors: list[str] = []
     next_i = iter(range(first, first + requests))
 
-    async def user() -> None:
+    async def one(i: int) -> None:
         nonlocal out_tokens
-        for i in next_i:
-            try:
-                t, n = await stream_completion(url, completion_body(model, tokens, i))
-            except (FleetError, OSError, h11.ProtocolError) as err:
-                errors.append(f"{type(err).__name__}: {err}"[:200])
-                continue
-            ttft.append(t)
-            out_tokens += n
+        try:
+            t, n = await stream_completion(url, completion_body(model, tokens, i))
+        except (FleetError, OSError, h11.ProtocolError) as err:
+            errors.append(f"{type(err).__name__}: {err}"[:200])
+            return
+        ttft.append(t)
+        out_tokens += n
 
-    t0 = time.perf_counter()
+    async def user() -> None:
+        for i in next_i:
+            await one(i)
+
+    async def paced(nursery: trio.Nursery, rate: float) -> None:
+        limit = trio.Semaphore(concurrency * 8)
+
+        async def bounded(i: int) -> None:
+            async with limit:
+                await one(i)
+
+        for k, i in enumerate(next_i):
+            await trio.sleep_until(t0 + k / rate)  # the schedule of an open loop, not a wait for state
+            nursery.start_soon(bounded, i)
+
+    t0 = trio.current_time()
+    w0 = time.perf_counter()
     async with trio.open_nursery() as nursery:
-        for _ in range(concurrency):
-            nursery.start_soon(user)
-    wall = time.perf_counter() - t0
+        if rate is None:
+            for _ in range(concurrency):
+                nursery.start_soon(user)
+        else:
+            nursery.start_soon(paced, nursery, rate)
+    wall = time.perf_counter() - w0
     return {
         "requests": requests,
         "completed": len(ttft),
@@ -175,6 +202,7 @@ async def run_load(
         "tokens_per_s": out_tokens / wall if wall else 0.0,
         "requests_per_s": len(ttft) / wall if wall else 0.0,
         "ttft_ms": stats.summary(ttft, 1000),
+        "rate": rate,
     }
 
 
@@ -186,7 +214,9 @@ async def fleet(spec: dict[str, Any], cpu: Callable[[], dict[str, float]]) -> di
         if warm["errors"]:
             raise FleetError(f"warm-up through {model}: {warm['error_samples']}")
         cpu0 = cpu()
-        res = await run_load(url, model, spec["requests"], spec["concurrency"], spec["tokens"])
+        res = await run_load(
+            url, model, spec["requests"], spec["concurrency"], spec["tokens"], rate=spec.get("rate")
+        )
         cpu1 = cpu()
     res["cpu_s"] = {k: cpu1[k] - cpu0[k] for k in cpu0}
     return res

@@ -263,6 +263,33 @@ def fleet_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
             _times(r.get("worker_cpu_per_request_vs_anchor")),
         ),
         row("frontend CPU µs per request", "frontend_cpu_us_per_request", 0, ""),
+        *_paced_rows(dyn.get("paced")),
+    ]
+
+
+def _paced_rows(paced: dict[str, Any] | None) -> list[tuple[str, str, str, str, str]]:
+    """The fleet table's rows for the paced rounds (the same open-loop rate for both workers)."""
+    if not paced or "sidecar" not in paced or "anchor" not in paced:
+        return []
+    s, a = paced["sidecar"], paced["anchor"]
+    gap = paced.get("ratios", {}).get("ttft_p50_minus_anchor_ms")
+    label = f"at an equal {paced['rate']:,.1f} req/s (open loop): TTFT p50"
+    return [
+        (
+            label + " ms",
+            fmt(s["ttft_p50_ms"], 1),
+            fmt(a["ttft_p50_ms"], 1),
+            "-",
+            "" if gap is None else f"{gap:+.1f} ms",
+        ),
+        ("  same: TTFT p90 ms", fmt(s["ttft_p90_ms"], 1), fmt(a["ttft_p90_ms"], 1), "-", ""),
+        (
+            "  same: worker CPU µs per request",
+            fmt(s["worker_cpu_us_per_request"], 0),
+            fmt(a["worker_cpu_us_per_request"], 0),
+            "-",
+            _times(paced.get("ratios", {}).get("worker_cpu_per_request_vs_anchor")),
+        ),
     ]
 
 

@@ -117,6 +117,28 @@ def test_fleet_figures_ratios_goals_and_table() -> None:
     assert analysis.goals({"dynamo": {"skipped": "x"}}) == []
 
 
+def test_paced_rounds_offer_both_workers_a_share_of_the_slower_rate_and_are_reported() -> None:
+    """The paced (open-loop) rounds run at PACED_SHARE of the slower worker's closed-loop
+    requests/s; their TTFT gap is its own goal row and its own table rows."""
+    rounds = {
+        "sidecar": [{**_fleet(9000, 20.0, 0.6), "requests_per_s": 150.0}],
+        "anchor": [{**_fleet(5000, 18.0, 0.6), "requests_per_s": 80.0}],
+        "mocker": [{**_fleet(20000, 10.0, 0.1), "requests_per_s": 300.0}],
+    }
+    assert fleet._paced_rate(rounds) == pytest.approx(fleet.PACED_SHARE * 80.0)
+    assert fleet._paced_rate({"sidecar": rounds["sidecar"], "anchor": []}) is None
+    paced = fleet.fleet_figures({"sidecar": [_fleet(4000, 12.0, 0.3)], "anchor": [_fleet(4000, 10.0, 0.4)]})
+    paced["rate"] = 64.0
+    fig = fleet.fleet_figures(rounds)
+    fig["paced"] = paced
+    goals = {g["goal"]: g for g in analysis.goals({"dynamo": fig})}
+    row = goals["Dynamo at equal request rate: TTFT p50 minus anchor's"]
+    assert row["value"] == pytest.approx(2.0) and row["met"] is True
+    fig["config"] = {"requests": 256, "tokens": 64, "concurrency": 16}
+    table = report.render_table({"dynamo": fig})
+    assert "at an equal 64.0 req/s (open loop): TTFT p50 ms" in table and "+2.0 ms" in table
+
+
 # --- the fleet client against a scripted HTTP server ---------------------------------------------
 
 
@@ -174,6 +196,43 @@ async def test_fleet_client_reads_a_streamed_completion() -> None:
     assert seen[0]["stream_options"] == {"include_usage": True}
     assert res["completed"] == 5 and res["out_tokens"] == 35 and res["errors"] == 0
     assert res["ttft_ms"]["count"] == 5
+
+
+async def test_fleet_client_open_loop_starts_requests_on_its_schedule() -> None:
+    """With a rate, request i starts at i / rate seconds whether or not the ones before it
+    ended (an open loop): 6 requests at 50/s, each held 0.5 s by the server, are all in flight
+    at once, and the run takes about 0.1 + 0.5 s, not 6 x 0.5 s."""
+    started: list[float] = []
+    release = trio.Event()
+    in_flight = 0
+    peak = 0
+
+    async def handle(stream: trio.SocketStream) -> None:
+        nonlocal in_flight, peak
+        async with stream:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += await stream.receive_some(65536)
+            started.append(trio.current_time())
+            in_flight += 1
+            peak = max(peak, in_flight)
+            if peak == 6:
+                release.set()
+            with trio.move_on_after(5):
+                await release.wait()
+            in_flight -= 1
+            for part in _chunked(b'data: {"choices":[{"text":"a"}],"usage":{"completion_tokens":1}}\n\n'):
+                await stream.send_all(part)
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            (listener,) = await nursery.start(partial(trio.serve_tcp, handle, 0, host="127.0.0.1"))
+            url = f"http://127.0.0.1:{listener.socket.getsockname()[1]}"
+            res = await fleet_load.run_load(url, "m", requests=6, concurrency=1, tokens=1, rate=50.0)
+            nursery.cancel_scope.cancel()
+    assert res["completed"] == 6 and res["errors"] == 0 and res["rate"] == 50.0
+    assert peak == 6  # concurrency 1 would have kept one in flight: the loop did not wait
+    assert started == sorted(started) and started[-1] - started[0] >= 5 / 50 * 0.9
 
 
 async def test_fleet_client_counts_failed_requests() -> None:

@@ -114,3 +114,10 @@ def test_quick_bench_runs_the_fleet_path(quick_run: tuple[str, dict[str, Any]]) 
         assert run["out_tokens"] == cfg["requests"] * cfg["tokens"], kind
     assert dyn["ratios"]["ttft_p50_minus_anchor_ms"] is not None
     assert "Dynamo fleet path" in stdout
+    for kind in ("sidecar", "anchor"):  # the paced rounds: the same open-loop rate for both
+        (run,) = dyn["paced_runs"][kind]
+        assert (
+            run["errors"] == 0 and run["completed"] == cfg["requests"] and run["rate"] == dyn["paced"]["rate"]
+        )
+    assert dyn["paced"]["ratios"]["ttft_p50_minus_anchor_ms"] is not None
+    assert "(open loop): TTFT p50" in stdout
