@@ -415,7 +415,7 @@ async def _watchdog(interval: float) -> None:
     type=click.Choice(TRANSPORTS),
     default=DEFAULT_TRANSPORT,
     show_default=True,
-    help="How Generate streams travel to the engine: grpclib on the asyncio loop, or trio-native HTTP/2 on the h2 library (control calls always use grpclib).",
+    help="How Generate streams travel to the engine: grpclib on the asyncio loop, or trio-native HTTP/2 framed by the sidecar (control calls always use grpclib).",
 )
 @option(
     "--abort-timeout",

@@ -65,7 +65,8 @@ from sidecar.openengine.trio_pool import ConnectionPool
 __all__ = ["TRANSPORTS", "EngineClient", "EngineStream", "Keepalive", "open_engine_client"]
 
 #: Generate transports (``run --engine-transport``): grpclib on the trio-asyncio loop, or the
-#: trio-native HTTP/2 connection on the h2 library (:mod:`sidecar.openengine.trio_h2`).
+#: trio-native HTTP/2 connection (:mod:`sidecar.openengine.trio_h2` over
+#: :mod:`sidecar.openengine.h2_client`).
 TRANSPORTS = ("grpclib", "trio")
 #: The transport of a client opened without one (tests may set it for a whole run).
 DEFAULT_TRANSPORT = "trio"
