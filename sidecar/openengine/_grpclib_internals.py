@@ -220,7 +220,7 @@ def closed_streams(protocol: ClientProtocol) -> tuple[int, int]:
 
 def bound_closed_streams(connection: H2Connection, kept: int) -> None:
     """Make an h2 connection remember at most ``kept`` closed stream ids (h2's
-    ``_closed_streams``, a ``SizeLimitDict``; used by :mod:`sidecar.openengine.trio_h2`)."""
+    ``_closed_streams``, a ``SizeLimitDict``; used by the grpclib protocol above)."""
     closed: Any = connection._closed_streams
     closed._size_limit = kept
 
