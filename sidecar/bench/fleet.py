@@ -186,12 +186,18 @@ async def dynamo(b: Any) -> dict[str, Any]:
             return set(names.values()) <= await models(url)
 
         await _until(listed, 90, f"models {sorted(names.values())} listed by the frontend", fe)
+
+        def spec_of(kind: str, **extra: Any) -> dict[str, Any]:
+            pids = {"worker": procs_by_kind[kind].pid, "frontend": fe.pid, "engine": b.engine.pid}
+            return {"mode": "fleet", "url": url, "model": names[kind], "pids": pids, **load, **extra}
+
+        async def measure(kind: str, **extra: Any) -> dict[str, Any]:
+            await b.settle()
+            return await procs.run_worker(spec_of(kind, **extra), timeout=900)
+
         for r in range(c.dynamo_rounds):
-            for kind, name in names.items():
-                await b.settle()
-                pids = {"worker": procs_by_kind[kind].pid, "frontend": fe.pid, "engine": b.engine.pid}
-                spec = {"mode": "fleet", "url": url, "model": name, "pids": pids, **load}
-                res = await procs.run_worker(spec, timeout=900)
+            for kind in names:
+                res = await measure(kind)
                 rounds[kind].append(res)
                 b.say(
                     f"  dynamo round {r + 1}/{c.dynamo_rounds} {kind:<8} {res['tokens_per_s']:>8,.0f} tok/s "
@@ -204,17 +210,7 @@ async def dynamo(b: Any) -> dict[str, Any]:
         if rate is not None:  # the same open-loop request rate for both: TTFT at equal load
             for r in range(c.dynamo_rounds):
                 for kind in ("sidecar", "anchor"):
-                    await b.settle()
-                    pids = {"worker": procs_by_kind[kind].pid, "frontend": fe.pid, "engine": b.engine.pid}
-                    spec = {
-                        "mode": "fleet",
-                        "url": url,
-                        "model": names[kind],
-                        "pids": pids,
-                        **load,
-                        "rate": rate,
-                    }
-                    res = await procs.run_worker(spec, timeout=900)
+                    res = await measure(kind, rate=rate)
                     paced[kind].append(res)
                     b.say(
                         f"  dynamo paced {r + 1}/{c.dynamo_rounds} {kind:<8} {rate:,.1f} req/s offered, "
@@ -227,8 +223,7 @@ async def dynamo(b: Any) -> dict[str, Any]:
 
             for kind in ("sidecar", "anchor"):
                 if kind in names:
-                    pids = {"worker": procs_by_kind[kind].pid, "frontend": fe.pid, "engine": b.engine.pid}
-                    spec = {"mode": "fleet", "url": url, "model": names[kind], "pids": pids, **load}
+                    spec = spec_of(kind)
                     profiles[kind] = await profile_round(b, f"{kind}-dynamo", procs_by_kind[kind].pid, spec)
     out = fleet_figures(rounds)
     if paced["sidecar"] and paced["anchor"]:
@@ -250,8 +245,10 @@ PACED_SHARE = 0.8
 def _paced_rate(rounds: dict[str, list[dict[str, Any]]]) -> float | None:
     """The open-loop rate both workers are measured at: :data:`PACED_SHARE` of the slower one's
     median closed-loop requests/s (None without both)."""
-    rates = [stats.median([r["requests_per_s"] for r in rounds.get(k, [])]) for k in ("sidecar", "anchor")]
-    if not all(rounds.get(k) for k in ("sidecar", "anchor")) or not all(x > 0 for x in rates):
+    if not all(rounds.get(k) for k in ("sidecar", "anchor")):
+        return None
+    rates = [stats.median([r["requests_per_s"] for r in rounds[k]]) for k in ("sidecar", "anchor")]
+    if not all(x > 0 for x in rates):
         return None
     return round(PACED_SHARE * min(rates), 1)
 

@@ -127,6 +127,7 @@ def test_paced_rounds_offer_both_workers_a_share_of_the_slower_rate_and_are_repo
     }
     assert fleet._paced_rate(rounds) == pytest.approx(fleet.PACED_SHARE * 80.0)
     assert fleet._paced_rate({"sidecar": rounds["sidecar"], "anchor": []}) is None
+    assert fleet._paced_rate({"sidecar": rounds["sidecar"]}) is None  # no anchor (grpcio-tools missing)
     paced = fleet.fleet_figures({"sidecar": [_fleet(4000, 12.0, 0.3)], "anchor": [_fleet(4000, 10.0, 0.4)]})
     paced["rate"] = 64.0
     fig = fleet.fleet_figures(rounds)
