@@ -1117,3 +1117,42 @@ def test_request_headers_through_client_decode() -> None:
         assert (ftype, flags, got_sid) == (HEADERS, END_HEADERS, sid)
         assert payload == b"".join(h2_client.encode_header(*f) for f in headers)
         assert _decode(payload) == headers
+
+
+# -- an engine sending anything -------------------------------------------------------------------
+
+_fuzz_frame = st.builds(
+    frame,
+    st.sampled_from(
+        [DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE]
+    )
+    | st.sampled_from([CONTINUATION, 0x0A, 0xFF]),
+    st.integers(0, 255),
+    st.sampled_from([0, 1, 2, 3, 5, 0x7FFFFFFF, 0x80000001]),
+    st.binary(max_size=64)
+    | st.sampled_from([u32(0), u32(1), u32(2**31 - 1), setting(4, 2**31), setting(5, 1), b"\x00" * 8]),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(frames=st.lists(_fuzz_frame, max_size=12), cut=st.integers(1, 40))
+def test_whatever_the_engine_sends_the_client_answers_with_events_or_a_violation(
+    frames: list[bytes], cut: int
+) -> None:
+    """Any sequence of frames (valid headers around arbitrary payloads, flags and stream ids,
+    fed in pieces) gives events or raises ProtocolViolation (a GOAWAY queued, the connection
+    done) — never another exception, which the transport would log as a defect with a
+    traceback; after a violation nothing more is parsed."""
+    conn, _ = opened()
+    wire = b"".join(frames)
+    violated = False
+    for start in range(0, len(wire), cut):
+        try:
+            events = conn.receive_data(wire[start : start + cut])
+        except ProtocolViolation as err:
+            violated = True
+            assert [t for t, _, _, _ in parse(conn.data_to_send())][-1] == GOAWAY, err
+            continue
+        if violated:
+            assert events == []
+    assert violated == conn.closed
