@@ -10,15 +10,17 @@ decoding the ``hpack`` library's); this module moves bytes and maps events to ca
 
 :class:`TrioH2Connection` (``await nursery.start(conn.run)``):
 
-- writes: the protocol object buffers frames; the writer task sends them after the current scheduler pass, so
-  frames queued together (a new call's HEADERS + DATA, many calls' frames, WINDOW_UPDATEs) leave
-  in one ``send``;
-- flow control: a call's bytes are acknowledged to h2 (which sends a WINDOW_UPDATE once half a
-  window is due) when its caller has taken every complete message received (at once while the
-  caller keeps up; the bytes of a message still incomplete too, so a message larger than the
-  window cannot stall): at most ``stream_window`` bytes wait for a caller that stopped reading
-  (as with grpclib, which acknowledges what its caller reads), and only its own stream is held
-  back — the engine feels a slow client as backpressure on that request;
+- writes: the protocol object (:class:`~sidecar.openengine.h2_client.ClientConnection`) buffers
+  frames; the writer task sends them after the current scheduler pass, so frames queued
+  together (a new call's HEADERS + DATA, many calls' frames, WINDOW_UPDATEs) leave in one
+  ``send``;
+- flow control: a call's bytes are acknowledged to the protocol object (which queues a
+  WINDOW_UPDATE once half a window is due) when its caller has taken every complete message
+  received (at once while the caller keeps up; the bytes of a message still incomplete too, so
+  a message larger than the window cannot stall): at most ``stream_window`` bytes wait for a
+  caller that stopped reading (as with grpclib, which acknowledges what its caller reads), and
+  only its own stream is held back — the engine feels a slow client as backpressure on that
+  request;
 - sizes: each message's gRPC length prefix is checked against ``max_message`` before the
   message is buffered (over it: the stream is reset and the call fails ``too_large``);
 - the peer's SETTINGS (``peer_max_streams``) are applied; a GOAWAY fails the calls the
@@ -28,7 +30,7 @@ decoding the ``hpack`` library's); this module moves bytes and maps events to ca
   ``PINGS_PER_SILENCE`` per silence; no answer within ``timeout`` closes the connection.
 
 Errors: a call fails with :class:`CallError` (``status`` for a gRPC status, ``lost`` for a
-reset stream or a lost connection). A peer that breaks HTTP/2 gets h2's GOAWAY and the
+reset stream or a lost connection). A peer that breaks HTTP/2 gets a GOAWAY and the
 connection closes. Cancellation: :meth:`Call.cancel` (synchronous, idempotent) queues
 RST_STREAM(CANCEL); the writer task (not the caller's) sends it, whatever the caller's scope.
 """
@@ -43,7 +45,7 @@ from typing import Any
 
 import trio
 
-from sidecar.openengine import h2_client as h2
+from sidecar.openengine import h2_client
 from sidecar.openengine.channel_pool import PINGS_PER_SILENCE, Keepalive, discard_unsent
 from sidecar.openengine.grpc_http2 import (
     INTERNAL,
@@ -87,7 +89,7 @@ class Call:
         self.id = stream_id
         self._body = memoryview(body)  # request bytes not yet sent (flow control)
         self._messages: collections.deque[bytes] = collections.deque()
-        self._unacked = 0  # received bytes not yet acknowledged to h2 (messages wait for the caller)
+        self._unacked = 0  # received bytes not yet acknowledged (messages wait for the caller)
         self._reader = MessageReader(conn.max_message)
         self._waiter: Any = None
         self._failure: CallError | None = None
@@ -171,10 +173,10 @@ class TrioH2Connection:
         self.max_message = max_message
         self.keepalive = keepalive
         self.calls: dict[int, Call] = {}
-        self._h2 = h2.ClientConnection(stream_window=stream_window, max_header_list=MAX_HEADER_LIST)
+        self._h2 = h2_client.ClientConnection(stream_window=stream_window, max_header_list=MAX_HEADER_LIST)
         self._conn_window = conn_window
         self._writer: Any = None  # the writer task while it waits
-        self._out: list[bytes] = []  # bytes taken from h2 by the reader, sent before h2's next
+        self._out: list[bytes] = []  # bytes taken from the protocol object by the reader, sent first
         self._want_write = False
         self._sending: collections.deque[Call] = collections.deque()  # calls with body left
         self.settings_seen = trio.Event()
@@ -299,7 +301,7 @@ class TrioH2Connection:
         try:
             sid = conn.get_next_available_stream_id()
             conn.send_headers(sid, headers)
-        except h2.H2Error as err:
+        except h2_client.H2Error as err:
             raise CallError(
                 f"engine connection refused a new stream ({type(err).__name__}: {err})", lost=True
             ) from None
@@ -330,7 +332,7 @@ class TrioH2Connection:
                 continue
             try:
                 self._send_body(call)
-            except h2.H2Error:
+            except h2_client.H2Error:
                 continue  # the stream closed meanwhile
             if call._body:
                 self._sending.append(call)
@@ -341,7 +343,7 @@ class TrioH2Connection:
         ``flush=False``: the reader, which flushes after each read."""
         try:
             self._h2.acknowledge_received_data(n, call.id)
-        except h2.H2Error:
+        except h2_client.H2Error:
             return  # the connection is closing
         if flush:
             out = self._h2.data_to_send()
@@ -358,7 +360,7 @@ class TrioH2Connection:
         if self.failure is None:
             try:
                 self._h2.reset_stream(call.id, code)
-            except h2.H2Error:
+            except h2_client.H2Error:
                 pass  # already closed on the protocol's side
             self._flush_soon()
         self._close_if_done()
@@ -388,7 +390,7 @@ class TrioH2Connection:
                     return
                 try:
                     events = conn.receive_data(data)
-                except h2.ProtocolViolation as err:
+                except h2_client.ProtocolViolation as err:
                     log.warning("engine connection %s: %s; closing it", self.name, err)
                     self._lost(CallError(f"the engine broke HTTP/2 ({type(err).__name__}: {err})", lost=True))
                     return
@@ -403,38 +405,38 @@ class TrioH2Connection:
 
     def _event(self, event: Any) -> None:
         kind = type(event)
-        if kind is h2.DataReceived:
+        if kind is h2_client.DataReceived:
             self._on_data(event)
-        elif kind is h2.ResponseReceived:
+        elif kind is h2_client.ResponseReceived:
             self._on_response(event)
-        elif kind is h2.TrailersReceived:
+        elif kind is h2_client.TrailersReceived:
             self._on_trailers(event)
-        elif kind is h2.StreamEnded:
+        elif kind is h2_client.StreamEnded:
             call = self.calls.get(event.stream_id)
             if call is not None:  # END_STREAM without trailers
                 call._fail(CallError("Missing grpc-status header", UNKNOWN))
                 self._end(call)
-        elif kind is h2.StreamReset:
+        elif kind is h2_client.StreamReset:
             call = self.calls.get(event.stream_id)
             if call is not None:
                 self._end(call)
                 code = event.error_code
                 call._fail(CallError(f"the engine reset the stream (HTTP/2 error {code!s})", lost=True))
-        elif kind is h2.WindowUpdated or kind is h2.RemoteSettingsChanged:
-            if kind is h2.RemoteSettingsChanged:
+        elif kind is h2_client.WindowUpdated or kind is h2_client.RemoteSettingsChanged:
+            if kind is h2_client.RemoteSettingsChanged:
                 peer = event.max_concurrent_streams
                 self.peer_max_streams = UNLIMITED_STREAMS if peer is None else peer
                 self.settings_seen.set()
             if self._sending:
                 self._resume_sends()
-        elif kind is h2.PingAckReceived:
+        elif kind is h2_client.PingAckReceived:
             if event.ping_data == self._outstanding:
                 self._outstanding = None
                 self._ping_deadline = math.inf
                 self._pings += 1
-        elif kind is h2.ConnectionTerminated:
+        elif kind is h2_client.ConnectionTerminated:
             self._on_goaway(event)
-        elif kind is h2.InformationalResponseReceived:
+        elif kind is h2_client.InformationalResponseReceived:
             self._seen()
 
     def _seen(self) -> None:
@@ -474,7 +476,7 @@ class TrioH2Connection:
         if size:
             try:
                 self._h2.acknowledge_received_data(size, stream_id)
-            except h2.H2Error:
+            except h2_client.H2Error:
                 pass
 
     def _on_response(self, event: Any) -> None:
@@ -532,7 +534,7 @@ class TrioH2Connection:
         payload = os.urandom(8)
         try:
             self._h2.ping(payload)
-        except h2.H2Error:
+        except h2_client.H2Error:
             return
         self._outstanding = payload
         self._last_ping = trio.current_time()
