@@ -1,9 +1,10 @@
 """``openengine-sidecar run``: serve one engine (the task tree of docs/design/architecture.md).
 
     trio.run(serve)
-    └─ trio_asyncio loop (grpclib lives there, nowhere else)
-       └─ root nursery: stream supervisor (Abort retries), engine watch, load poller,
-          KV bridge, HTTP, WebSocket plane, Dynamo plane
+    └─ (``--dynamo`` only: the asyncio loop Dynamo's runtime needs, on trio)
+       └─ engine client (its connections' tasks)
+          └─ root nursery: stream supervisor (Abort retries), engine watch, load poller,
+             KV bridge, HTTP, WebSocket plane, Dynamo plane
 
 :func:`serve` goes through three phases and reads SIGTERM/SIGINT in each:
 
@@ -23,6 +24,7 @@ plane that cannot start, an unwritable ready file) exits 1 with one line.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import signal
@@ -36,7 +38,6 @@ from typing import Any, TypeVar
 
 import click
 import trio
-import trio_asyncio
 
 from sidecar import sdnotify
 from sidecar.addresses import join_host_port, split_host_port
@@ -58,7 +59,7 @@ from sidecar.core.shutdown import stop_budget, stop_timeout
 from sidecar.core.sidecar import OUTCOME_SHUTDOWN, Sidecar, SidecarConfig, StartupError, engine_keepalive
 from sidecar.dynamo.config import DynamoConfig, DynamoConfigError
 from sidecar.dynamo.options import dynamo_config, dynamo_options
-from sidecar.dynamo.plane import DynamoPlane, start_dynamo_plane
+from sidecar.dynamo.plane import DynamoPlane, dynamo_event_loop, start_dynamo_plane
 from sidecar.kvbridge import KvBridgeConfig, KvConfigError, KvSourceError, run_kv_bridge
 from sidecar.kvbridge.options import kv_bridge_config, kv_bridge_options
 from sidecar.loopwatch import watch_loop
@@ -67,7 +68,7 @@ from sidecar.north.http_server import HttpLimits, serve_http
 from sidecar.north.limit_options import apply_limit_options, http_limits, limit_options
 from sidecar.north.ws_server import WS_PATH, NorthPlane, WsConfig
 from sidecar.nursery import lone_exception
-from sidecar.openengine.client import DEFAULT_TRANSPORT, TRANSPORTS, open_engine_client
+from sidecar.openengine.client import open_engine_client
 
 log = logging.getLogger("sidecar.run")
 
@@ -92,13 +93,8 @@ async def serve(
 ) -> None:
     """Run the sidecar until stopped (module doc); ``task_status.started(bound addresses)``."""
     async with (
-        trio_asyncio.open_loop(),
-        open_engine_client(
-            engine,
-            keepalive=engine_keepalive(config),
-            limits=config.engine_limits,
-            transport=config.engine_transport,
-        ) as client,
+        dynamo_event_loop() if dynamo is not None else contextlib.nullcontext(),
+        open_engine_client(engine, keepalive=engine_keepalive(config), limits=config.engine_limits) as client,
     ):
         sidecar = Sidecar(client, config)
         metrics.ENGINE_CHANNELS.set_function(
@@ -411,13 +407,6 @@ async def _watchdog(interval: float) -> None:
     help="Close an engine connection whose PING is not answered within this long.",
 )
 @option(
-    "--engine-transport",
-    type=click.Choice(TRANSPORTS),
-    default=DEFAULT_TRANSPORT,
-    show_default=True,
-    help="How Generate streams travel to the engine: grpclib on the asyncio loop, or trio-native HTTP/2 framed by the sidecar (control calls always use grpclib).",
-)
-@option(
     "--abort-timeout",
     type=SECONDS,
     default=2.0,
@@ -527,7 +516,6 @@ def run(**opts: Any) -> None:
         call_timeout=opts["call_timeout"],
         keepalive_interval=opts["engine_keepalive_interval"],
         keepalive_timeout=opts["engine_keepalive_timeout"],
-        engine_transport=opts["engine_transport"],
         load_interval=opts["load_interval"],
         lora_root=opts["lora_root"],
         lifecycle=LifecycleConfig(

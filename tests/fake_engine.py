@@ -42,7 +42,8 @@ from typing import Any
 import trio
 
 from sidecar.openengine import pb
-from sidecar.openengine.client import EngineStream
+from sidecar.openengine.client import EngineStream, MessageDecoder
+from sidecar.openengine.codec import decode_generate_response
 from sidecar.openengine.errors import (
     EngineClientError,
     EngineMessageTooLarge,
@@ -56,6 +57,34 @@ from sidecar.openengine.stream_rules import DrainRules, GenerateRules
 Script = Callable[[pb.GenerateRequest, trio.MemorySendChannel[pb.GenerateResponse]], Awaitable[None]]
 
 MEDIUM = {m.name: m for m in pb.StorageMedium if m.name != "UNSPECIFIED"}
+
+
+class ScriptedCall:
+    """What a call on the wire is to an :class:`EngineStream` (``CallLike``): the messages a
+    script sends, as bytes, then the end — or, after them, the engine client error the script
+    raised (``failure``)."""
+
+    def __init__(self, receive: trio.MemoryReceiveChannel[Any]) -> None:
+        self._receive = receive
+        self.failure: EngineClientError | None = None
+        self.cancelled = False
+
+    @property
+    def ready(self) -> bool:
+        stats = self._receive.statistics()
+        return stats.current_buffer_used > 0 or stats.open_send_channels == 0
+
+    async def receive(self) -> bytes | None:
+        try:
+            message = await self._receive.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            if self.failure is not None:
+                raise self.failure from None
+            return None
+        return bytes(message)
+
+    def cancel(self) -> None:
+        self.cancelled = True
 
 
 def status(name: str) -> EngineStatusError:
@@ -230,7 +259,7 @@ class FakeEngine:
             return await self.health_script()
         return pb.HealthResponse(state=pb.HealthState.READY)
 
-    async def probe_liveness(self) -> None:
+    def probe_liveness(self) -> None:
         self._call("ProbeLiveness")
 
     async def abort(self, request: pb.AbortRequest) -> pb.AbortResponse:
@@ -248,7 +277,7 @@ class FakeEngine:
         for event in self.drain_events:
             send.send_nowait(event)
         send.close()
-        yield EngineStream(receive, DrainRules())
+        yield EngineStream(ScriptedCall(receive), None, MessageDecoder(pb.DrainResponse.parse), DrainRules())
 
     # -- Generate --------------------------------------------------------------------------
 
@@ -258,7 +287,9 @@ class FakeEngine:
     ) -> AsyncIterator[EngineStream[pb.GenerateResponse]]:
         self._call(f"Generate:{request.request_id}")
         send, receive = trio.open_memory_channel[pb.GenerateResponse](64)
-        stream = EngineStream(receive, GenerateRules.for_request(request), request.request_id)
+        call = ScriptedCall(receive)
+        rules = GenerateRules.for_request(request)
+        stream = EngineStream(call, None, MessageDecoder(decode_generate_response), rules, request.request_id)
         async with trio.open_nursery() as nursery:
 
             async def run() -> None:
@@ -266,7 +297,7 @@ class FakeEngine:
                     try:
                         await self.script(request, send)
                     except EngineClientError as exc:
-                        stream._failure = exc  # as the engine client's pump: raised after the events
+                        call.failure = exc  # as a lost connection: raised after the events
 
             nursery.start_soon(run)
             try:

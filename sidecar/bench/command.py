@@ -74,8 +74,6 @@ def _jsonable(obj: Any) -> Any:
 
 async def run_bench(config: BenchConfig, say: Any = print) -> dict[str, Any]:
     """Run ``config.scenarios``; returns the full results document (also written to ``config.out``)."""
-    import trio_asyncio
-
     started = time.monotonic()
 
     def progress(msg: str) -> None:
@@ -105,28 +103,25 @@ async def run_bench(config: BenchConfig, say: Any = print) -> dict[str, Any]:
             except Pb2Unavailable as err:
                 progress(f"grpcio anchor unavailable: {err}")
                 doc["errors"]["grpcio"] = str(err)
-        async with trio_asyncio.open_loop():
-            eopts = procs.EngineOptions(
-                max_concurrent_streams=config.engine_stream_limit,
-                lean_load_attributes=config.engine_lean_load,
-            )
-            async with procs.engine(tmp, eopts) as (eng, address):
-                progress(f"engine (pid {eng.pid}) on {address}")
-                async with procs.sidecar(address, command=config.sidecar_command) as sc:
-                    progress(f"sidecar (pid {sc.proc.pid}) on {sc.ws}")
-                    bench = Bench(
-                        config, tmp, eng, address, sc, pb2_dir=pb2_dir, model=eopts.model, say=progress
-                    )
-                    for name in config.scenarios:
-                        load0 = os.getloadavg()[0]
-                        progress(f"scenario {name} (load average {load0:.2f})")
-                        try:
-                            doc["results"][name] = await RUNNERS[name](bench)
-                        except procs.BenchError as err:
-                            progress(f"  ! {name} failed: {err}")
-                            doc["errors"][name] = str(err)
-                        doc["load_average"][name] = [load0, os.getloadavg()[0]]
-                        _write(config.out, doc, started)  # partial results survive an interrupted run
+        eopts = procs.EngineOptions(
+            max_concurrent_streams=config.engine_stream_limit,
+            lean_load_attributes=config.engine_lean_load,
+        )
+        async with procs.engine(tmp, eopts) as (eng, address):
+            progress(f"engine (pid {eng.pid}) on {address}")
+            async with procs.sidecar(address, command=config.sidecar_command) as sc:
+                progress(f"sidecar (pid {sc.proc.pid}) on {sc.ws}")
+                bench = Bench(config, tmp, eng, address, sc, pb2_dir=pb2_dir, model=eopts.model, say=progress)
+                for name in config.scenarios:
+                    load0 = os.getloadavg()[0]
+                    progress(f"scenario {name} (load average {load0:.2f})")
+                    try:
+                        doc["results"][name] = await RUNNERS[name](bench)
+                    except procs.BenchError as err:
+                        progress(f"  ! {name} failed: {err}")
+                        doc["errors"][name] = str(err)
+                    doc["load_average"][name] = [load0, os.getloadavg()[0]]
+                    _write(config.out, doc, started)  # partial results survive an interrupted run
     return _write(config.out, doc, started)
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import random
 import time
 from collections.abc import Callable
@@ -43,19 +42,10 @@ def _request(spec: dict[str, Any], request_id: str, max_tokens: int, **mock: Any
 # --- EngineClient -------------------------------------------------------------------------------------
 
 
-#: The EngineClient anchor's Generate transport follows the variable of ``run --engine-transport``,
-#: so ``OPENENGINE_SIDECAR_ENGINE_TRANSPORT=trio openengine-sidecar bench`` puts the sidecar and
-#: this anchor on the same transport (unset: the client's default, as the sidecar's).
-TRANSPORT_ENV = "OPENENGINE_SIDECAR_ENGINE_TRANSPORT"
-
-
 async def _with_client(spec: dict[str, Any], body: Callable[[Any], Any]) -> Any:
-    import trio_asyncio
-
     from sidecar.openengine.client import open_engine_client
 
-    transport = os.environ.get(TRANSPORT_ENV) or None
-    async with trio_asyncio.open_loop(), open_engine_client(spec["engine"], transport=transport) as client:
+    async with open_engine_client(spec["engine"]) as client:
         # warm up: open the channels, fill the engine's pre-encoded token cache
         async with trio.open_nursery() as nursery:
             for i in range(8):

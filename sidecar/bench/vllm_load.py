@@ -103,8 +103,6 @@ async def through_sidecar(
 async def direct(
     spec: dict[str, Any], cpu: Callable[[], dict[str, float]], armed: Callable[[dict[str, Any]], Any]
 ) -> dict[str, Any]:
-    import trio_asyncio
-
     from sidecar.openengine import pb
     from sidecar.openengine.client import open_engine_client
 
@@ -124,7 +122,7 @@ async def direct(
             kv=pb.KvOptions(bypass_prefix_cache=True),
         )
 
-    async with trio_asyncio.open_loop(), open_engine_client(spec["engine"]) as client:
+    async with open_engine_client(spec["engine"]) as client:
 
         async def one_token(i: int) -> None:
             async with client.generate(request(i, "warm", 1)) as stream:

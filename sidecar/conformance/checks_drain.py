@@ -24,7 +24,6 @@ from sidecar.conformance.model import Fail, Skip, check, require
 from sidecar.nursery import open_background_nursery
 from sidecar.openengine import pb
 from sidecar.openengine.errors import EngineClientError, EngineStatusError, EngineUnavailable
-from sidecar.openengine.raw import raw_drain
 from sidecar.openengine.revision import spec_url
 
 LIFECYCLE = spec_url("health-abort-and-drain")
@@ -116,7 +115,7 @@ async def progress(ctx: Context) -> str | None:
     async with open_background_nursery() as nursery:
         live, release = await nursery.start(hold_running, ctx, "drain-progress")
         request = pb.DrainRequest(stop_accepting_new_requests=False)
-        async with raw_drain(client, request) as stream:
+        async with client.drain(request, checked=False) as stream:
             drain = DrainStream(stream)
             with trio.move_on_after(ANSWER_WITHIN):  # seeing STARTED: an observer's tolerance
                 await drain.next()
@@ -156,7 +155,7 @@ async def deadline_zero(ctx: Context) -> str | None:
     async with running_request(ctx, "drain-zero") as (live, _baseline):
         request = pb.DrainRequest(stop_accepting_new_requests=False, deadline_ms=0, abort_after_deadline=True)
         start = trio.current_time()
-        async with raw_drain(client, request) as stream, open_background_nursery() as nursery:
+        async with client.drain(request, checked=False) as stream, open_background_nursery() as nursery:
             drain = DrainStream(stream)
             nursery.start_soon(live.rest, ANSWER_WITHIN + IMMEDIATE + END_WITHIN)
             # "at once" counts from the engine's first answer (STARTED): seeing that one is an
@@ -195,7 +194,7 @@ async def rejects_new(ctx: Context) -> str | None:
     _needs_destructive(ctx)
     client = ctx.client()
     request = pb.DrainRequest(stop_accepting_new_requests=True, deadline_ms=0, abort_after_deadline=True)
-    async with raw_drain(client, request) as stream:
+    async with client.drain(request, checked=False) as stream:
         drain = DrainStream(stream)
         with trio.move_on_after(DRAIN_WITHIN):
             while (event := await drain.next()) is not None:

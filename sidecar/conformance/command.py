@@ -14,7 +14,6 @@ from typing import TextIO
 
 import click
 import trio
-import trio_asyncio
 
 from sidecar.cli_options import ENGINE_ADDRESS, SECONDS, NewFile, absolute_path, command_option
 from sidecar.conformance.context import SuiteOptions
@@ -33,12 +32,10 @@ option = command_option("conformance")
 
 async def run_conformance(options: SuiteOptions, out: TextIO) -> Report | SuiteError | ValueError:
     """Run the suite with live progress on ``out``; errors are returned, not raised."""
-    # Returned, not raised: open_loop() would wrap them in an ExceptionGroup.
-    async with trio_asyncio.open_loop():
-        try:
-            return await run_suite(options, progress=LineProgress(out))
-        except (SuiteError, ValueError) as err:
-            return err
+    try:
+        return await run_suite(options, progress=LineProgress(out))
+    except (SuiteError, ValueError) as err:
+        return err
 
 
 @click.command("conformance")

@@ -5,7 +5,6 @@ runner (opened before the first check, closed after the last); a :class:`LiveStr
 holds one Generate call until its ``async with`` block ends (leaving early resets the
 HTTP/2 stream). Discovery answers are cached for the whole run (they are static per
 deployment); a failing discovery call is re-raised to every check that needs it.
-Must run inside ``trio_asyncio.open_loop()``.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from sidecar.conformance.streams import StreamRecord, kind
 from sidecar.openengine import pb
 from sidecar.openengine.client import EngineClient, MetadataLike
 from sidecar.openengine.errors import EngineClientError, EngineStatusError, EngineUnavailable
-from sidecar.openengine.raw import raw_generate
 
 __all__ = ["Context", "LiveStream", "SuiteOptions"]
 
@@ -256,7 +254,7 @@ class Context:
     ) -> AsyncIterator[LiveStream]:
         """Open a raw Generate call; leaving the block early records ``end = "left"``."""
         record = StreamRecord(label or request.request_id, request)
-        async with raw_generate(self.client(which), request, metadata=metadata) as stream:
+        async with self.client(which).generate(request, metadata=metadata, checked=False) as stream:
             live = LiveStream(stream, record, self._saw_transport_error)
             try:
                 yield live

@@ -39,7 +39,6 @@ from sidecar.kvbridge.zmqio import recv_multipart
 from sidecar.nursery import open_background_nursery
 from sidecar.openengine import pb
 from sidecar.openengine.errors import EngineClientError, EngineStatusError
-from sidecar.openengine.raw import raw_subscribe_kv_events
 
 PROBE = 0.5
 #: Longest wait for a ZMQ subscriber's handshake with its publisher.
@@ -156,7 +155,7 @@ async def _native(
 ) -> None:
     task_status.started()
     try:
-        async with raw_subscribe_kv_events(ctx.client(), request) as stream:
+        async with ctx.client().subscribe_kv_events(request, checked=False) as stream:
             async for resp in stream:
                 name, value = betterproto2.which_one_of(resp, "event")
                 if name == "batch" and isinstance(value, pb.KvEventBatch):

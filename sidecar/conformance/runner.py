@@ -4,8 +4,7 @@ Resources: one :class:`~sidecar.openengine.client.EngineClient` per given addres
 before the first check and closed after the last. Checks run one at a time, in group
 order (``discovery``, ``generate``, ``errors``, ``cancel``, ``lora``, ``kv``, ``pd``, and
 ``drain`` last because it is destructive), each bounded by its own timeout; cancelling
-:func:`run_suite` cancels the running check and closes every connection. Must run inside
-``trio_asyncio.open_loop()``.
+:func:`run_suite` cancels the running check and closes every connection.
 
 Engine lost: after a check that did not pass or saw a connection end, every engine is asked
 ``GetServerInfo`` (bounded by ``connect_timeout``). One that is unreachable stops the run:

@@ -14,7 +14,6 @@ from typing import Any
 import click
 import msgspec
 import trio
-import trio_asyncio
 
 from sidecar.cli_options import ENGINE_ADDRESS, SECONDS, command_option
 from sidecar.core.card import EndpointCard, LogprobCard, ModelCard, WorkerCard, card_to_json
@@ -44,8 +43,8 @@ async def describe_engine(
 ) -> WorkerCard:
     """Connect, discover (non-strict) and return the card; :class:`DescribeFailed` otherwise.
 
-    Must run inside ``trio_asyncio.open_loop()``. The first call (``GetServerInfo``) is
-    bounded by ``connect_timeout``, the whole discovery by ``timeout``.
+    The first call (``GetServerInfo``) is bounded by ``connect_timeout``, the whole discovery
+    by ``timeout``.
     """
     try:
         async with open_engine_client(engine) as client:
@@ -259,21 +258,19 @@ def describe(
     """Connect to an engine, negotiate, discover, and print its worker card."""
 
     async def main() -> WorkerCard | DescribeFailed:
-        # Returned, not raised: open_loop() would wrap it in an ExceptionGroup.
-        async with trio_asyncio.open_loop():
-            try:
-                return await describe_engine(
-                    engine,
-                    model=model,
-                    connect_timeout=connect_timeout,
-                    timeout=timeout,
-                    expected_engine=expected_engine,
-                    expected_release=expected_schema_release,
-                    require_known_release=require_known_release,
-                    handoff_profile=handoff_profile,
-                )
-            except DescribeFailed as err:
-                return err
+        try:
+            return await describe_engine(
+                engine,
+                model=model,
+                connect_timeout=connect_timeout,
+                timeout=timeout,
+                expected_engine=expected_engine,
+                expected_release=expected_schema_release,
+                require_known_release=require_known_release,
+                handoff_profile=handoff_profile,
+            )
+        except DescribeFailed as err:
+            return err
 
     card = trio.run(main)
     if isinstance(card, DescribeFailed):

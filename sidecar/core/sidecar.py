@@ -68,9 +68,6 @@ class SidecarConfig:
     #: HTTP/2 PING liveness of the engine connections (``--engine-keepalive-*``; 0: off).
     keepalive_interval: float = 10.0
     keepalive_timeout: float = 10.0
-    #: How Generate streams travel to the engine (``--engine-transport``:
-    #: ``sidecar.openengine.client.TRANSPORTS``; None: the client's default).
-    engine_transport: str | None = None
     reconnect_initial: float = 0.1
     reconnect_max: float = 5.0
     drain_timeout: float = 20.0
@@ -465,7 +462,7 @@ class Sidecar:
                     # a hung process or a dead path answers no PING either: find out now
                     # rather than at the connections' next keepalive (a slow Control service
                     # answers PINGs; its streams are left alone)
-                    await self.engine.probe_liveness()
+                    self.engine.probe_liveness()
                 if slow_in_a_row == 1 and not lost and self.card is not None:
                     log.warning(
                         "engine health check got no answer in %.1fs; checking again", cfg.call_timeout

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import math
+from contextlib import AbstractAsyncContextManager
 from functools import partial
 from typing import Any
 
@@ -70,6 +71,12 @@ RETRY_DELAY = 1.0
 REBUILD_PAUSE = 0.5
 REBUILD_MAX = 5.0
 PLANE = "dynamo"
+
+
+def dynamo_event_loop() -> AbstractAsyncContextManager[object]:
+    """The asyncio event loop Dynamo's runtime runs on (trio-asyncio, inside the sidecar's trio
+    run): ``run --dynamo`` opens it around its services; nothing else in the sidecar needs one."""
+    return trio_asyncio.open_loop()
 
 
 def import_dynamo() -> Any:

@@ -13,9 +13,9 @@ that an Abort or a free slot ends early; a timer handle like ``asyncio.sleep``'s
 cheaper per token than ``asyncio.timeout``). asyncio, not
 trio, because the engine is served by grpclib (:mod:`sidecar.openengine.server`), an asyncio
 library, as a real engine's server is: its handlers are asyncio tasks, and trio would put a
-trio_asyncio hop on every event the engine sends. Left as they are, each for its reason:
+trio-asyncio hop on every event the engine sends. Left as they are, each for its reason:
 the ZMQ publishers' group is owned by one service task that :class:`.kvevents.ZmqKvEvents`
-cancels and awaits on close (tests enter and leave it through trio_asyncio, in two asyncio
+cancels and awaits on close (tests enter and leave it through trio-asyncio, in two asyncio
 tasks, and a group must be left by the task that opened it);
 asyncio's stream server starts a task per KV-transfer connection (:mod:`.transfer` cancels
 and awaits them on close), a held KV session expires by a timer handle (data with a

@@ -1,7 +1,7 @@
 """Wiring of one simulated engine process: KV events, KV transfer, the gRPC server.
 
 :func:`serve_engine` is the asyncio entry point used by the CLI (``asyncio.run``) and,
-in-process, by tests (through ``trio_asyncio.aio_as_trio``).
+in-process, by tests (on trio-asyncio: tests/mock_engines.py).
 """
 
 from __future__ import annotations

@@ -321,7 +321,7 @@ class ZmqKvEvents:
                 self.publishers[rank] = pub
                 pub.bind()
             # One service task owns the publishers' task group: a group cannot be opened here and
-            # left in __aexit__, which may run in another asyncio task (trio_asyncio's wrappers).
+            # left in __aexit__, which may run in another asyncio task (trio-asyncio's wrappers).
             self._service = asyncio.create_task(self._serve(), name="kv-events")
         except BaseException:
             await self.aclose()

@@ -22,11 +22,22 @@ literals *without indexing*, RFC 7541 6.1/6.2.2), so a header's bytes never depe
 before and each distinct header is encoded once per connection (only a peer lowering
 SETTINGS_HEADER_TABLE_SIZE below 4,096 gets the size update RFC 7541 4.2 requires, once).
 
-Errors: a peer that breaks the protocol raises :class:`ProtocolViolation` from
+Errors are scoped as RFC 9113 section 5.4 says. A *stream* error — a malformed response
+(section 8.1.1: DATA before the response HEADERS, trailers without END_STREAM, a 1xx that ends
+the stream), a zero WINDOW_UPDATE on a stream, a stream's window overflowing or overrun — resets
+that stream alone (RST_STREAM queued) and yields :class:`StreamBroken`; the other streams go on.
+A *connection* error — a frame that breaks framing, HPACK or the connection's flow control, a
+first frame that is not SETTINGS (section 3.4), SETTINGS_ENABLE_PUSH other than 0 from a server
+(section 6.5.2), PUSH_PROMISE — raises :class:`ProtocolViolation` from
 :meth:`~ClientConnection.receive_data` (a GOAWAY with its ``code`` is queued; the connection is
-done). Asking for what the connection cannot do now (a stream id after the last, more streams
-than the peer allows, data on a closed stream or beyond the window) raises
-:class:`StreamUnavailable`. Both are :class:`H2Error`.
+done), carrying the events parsed before it. Asking for what the connection cannot do now (a
+stream id after the last, more streams than the peer allows, data on a closed stream or beyond
+the window) raises :class:`StreamUnavailable`; request headers over the peer's
+SETTINGS_MAX_HEADER_LIST_SIZE raise :class:`HeadersTooLarge`. All are :class:`H2Error`.
+
+Our own SETTINGS take effect when the peer acknowledges them (section 6.5.3): until then each
+stream's receive window is the protocol's default. A stream the peer ends while our request is
+still being sent (flow control held it back) is closed with RST_STREAM(NO_ERROR) (section 8.1).
 """
 
 from __future__ import annotations
@@ -82,12 +93,21 @@ class H2Error(Exception):
 
 
 class ProtocolViolation(H2Error):
-    """The peer broke HTTP/2 (or HPACK): the connection is done; a GOAWAY is queued."""
+    """The peer broke HTTP/2 (or HPACK): the connection is done; a GOAWAY is queued.
+    ``events``: what the same :meth:`ClientConnection.receive_data` parsed before it."""
+
+    def __init__(self, message: str, code: int = PROTOCOL_ERROR) -> None:
+        super().__init__(message, code)
+        self.events: list[Event] = []
 
 
 class StreamUnavailable(H2Error):
     """A local request the connection cannot carry out now (no stream id or slot left, a
     closed stream, data beyond the window)."""
+
+
+class HeadersTooLarge(H2Error):
+    """A request's header list is larger than the peer's SETTINGS_MAX_HEADER_LIST_SIZE."""
 
 
 # -- events -------------------------------------------------------------------------------------
@@ -148,6 +168,16 @@ class StreamReset:
         self.stream_id, self.error_code = stream_id, error_code
 
 
+class StreamBroken:
+    """The peer broke HTTP/2 on one stream (a stream error, RFC 9113 5.4.2): the stream was
+    reset (RST_STREAM with ``error_code`` queued); ``reason`` says what happened."""
+
+    __slots__ = ("error_code", "reason", "stream_id")
+
+    def __init__(self, stream_id: int, error_code: int, reason: str) -> None:
+        self.stream_id, self.error_code, self.reason = stream_id, error_code, reason
+
+
 class WindowUpdated:
     """A send window grew: queued request bytes may go on."""
 
@@ -188,6 +218,7 @@ Event = (
     | DataReceived
     | StreamEnded
     | StreamReset
+    | StreamBroken
     | WindowUpdated
     | RemoteSettingsChanged
     | PingAckReceived
@@ -269,7 +300,10 @@ class ClientConnection:
         self.max_concurrent_streams: int | None = None  # unlimited until its SETTINGS say
         self.max_outbound_frame_size = DEFAULT_MAX_FRAME
         self._peer_initial_window = DEFAULT_WINDOW
-        self._settings_seen = False
+        self.peer_max_header_list: int | None = None  # unlimited until its SETTINGS say
+        self._settings_seen = False  # the peer's first SETTINGS arrived
+        # our SETTINGS apply once acknowledged; until then a stream's window is the default
+        self._recv_initial = DEFAULT_WINDOW
         # the size our encoder's (unused) dynamic table may have; lowering it below that must be
         # signalled at the start of the next header block (RFC 7541 4.2; hpack and nghttp2 insist)
         self._table_size = 4_096
@@ -337,6 +371,13 @@ class ClientConnection:
         limit = self.max_concurrent_streams
         if limit is not None and len(self.streams) >= limit:
             raise StreamUnavailable(f"the peer allows {limit} concurrent streams")
+        if self.peer_max_header_list is not None:  # its size as RFC 9113 6.5.2 counts it
+            size = sum(len(name) + len(value) + 32 for name, value in headers)
+            if size > self.peer_max_header_list:
+                raise HeadersTooLarge(
+                    f"request headers of {size} bytes exceed the engine's limit of "
+                    f"{self.peer_max_header_list} (SETTINGS_MAX_HEADER_LIST_SIZE)"
+                )
         cache = self._encoded
         parts = []
         for field in headers:
@@ -350,7 +391,7 @@ class ClientConnection:
         if self._table_update:
             block, self._table_update = self._table_update + block, b""
         self.highest_outbound_stream_id = stream_id
-        stream = self.streams[stream_id] = _Stream(self._peer_initial_window, self.stream_window)
+        stream = self.streams[stream_id] = _Stream(self._peer_initial_window, self._recv_initial)
         flags = END_STREAM if end_stream else 0
         stream.local_closed = end_stream
         size = self.max_outbound_frame_size
@@ -382,10 +423,9 @@ class ClientConnection:
         self._frame(DATA, END_STREAM if end_stream else 0, stream_id, data)
 
     def reset_stream(self, stream_id: int, error_code: int = 0) -> None:
-        """RST_STREAM ``stream_id`` (an open stream; a closed one raises)."""
-        if self.streams.pop(stream_id, None) is None:
-            raise StreamUnavailable(f"stream {stream_id} is not open")
-        self._frame(RST_STREAM, 0, stream_id, _U32.pack(error_code))
+        """RST_STREAM ``stream_id`` unless it is closed already (idempotent)."""
+        if self.streams.pop(stream_id, None) is not None:
+            self._frame(RST_STREAM, 0, stream_id, _U32.pack(error_code))
 
     def acknowledge_received_data(self, size: int, stream_id: int) -> None:
         """``size`` received bytes were consumed: a WINDOW_UPDATE once half a window is due
@@ -422,6 +462,19 @@ class ClientConnection:
         self.close_connection(code)
         return ProtocolViolation(message, code)
 
+    def _stream_error(self, sid: int, code: int, reason: str, events: list[Event]) -> None:
+        """A stream error (RFC 9113 5.4.2): reset ``sid`` alone and report it."""
+        del self.streams[sid]
+        self._frame(RST_STREAM, 0, sid, _U32.pack(code))
+        events.append(StreamBroken(sid, code, reason))
+
+    def _remote_end(self, sid: int, stream: _Stream) -> None:
+        """The peer ended ``sid``; a request still being sent is cut short with RST_STREAM
+        (NO_ERROR) so the stream closes on both sides (RFC 9113 8.1)."""
+        del self.streams[sid]
+        if not stream.local_closed:
+            self._frame(RST_STREAM, 0, sid, _U32.pack(NO_ERROR))
+
     def receive_data(self, data: bytes | bytearray) -> list[Event]:
         """The events in ``data`` (complete frames; a partial one waits for the rest). Raises
         :class:`ProtocolViolation` (GOAWAY queued) when the peer broke the protocol."""
@@ -432,6 +485,15 @@ class ClientConnection:
         if self._buf:
             data = self._buf + data
         events: list[Event] = []
+        try:
+            self._buf = self._parse(data, events)
+        except ProtocolViolation as err:
+            err.events = events
+            raise
+        return events
+
+    def _parse(self, data: bytes, events: list[Event]) -> bytes:
+        """Parse the complete frames of ``data`` into ``events``; returns the rest."""
         pos, end = 0, len(data)
         head, max_frame = _HEAD.unpack_from, DEFAULT_MAX_FRAME
         while end - pos >= 9:
@@ -445,6 +507,8 @@ class ClientConnection:
             payload = data[pos + 9 : stop]
             pos = stop
             sid &= LAST_STREAM_ID
+            if not self._settings_seen and (ftype != SETTINGS or flags & ACK):
+                raise self._violation("the server's first frame is not SETTINGS (RFC 9113 3.4)")
             if self._block is not None and ftype != CONTINUATION:
                 raise self._violation("a header block was interrupted")
             if ftype == DATA:
@@ -473,8 +537,7 @@ class ClientConnection:
             # other frame types are ignored (RFC 9113 5.5)
             if self.closed:  # a GOAWAY we sent (a stream error is not one)
                 break
-        self._buf = data[pos:] if pos < end else b""
-        return events
+        return data[pos:] if pos < end else b""
 
     def _stream_of(self, sid: int, what: str) -> _Stream | None:
         """The open stream ``sid``; None for a closed one (its frames may still be on the way);
@@ -496,10 +559,15 @@ class ClientConnection:
             self.acknowledge_received_data(size, sid)
             return
         stream.recv_window -= size
+        problem = None
         if stream.recv_window < 0:
-            raise self._violation(f"DATA beyond the window of stream {sid}", FLOW_CONTROL_ERROR)
-        if stream.head != 2:
-            raise self._violation(f"DATA on stream {sid} outside a response")
+            problem = FLOW_CONTROL_ERROR, f"DATA beyond the window of stream {sid}"
+        elif stream.head != 2:
+            problem = PROTOCOL_ERROR, f"DATA on stream {sid} outside a response"
+        if problem is not None:
+            self._stream_error(sid, *problem, events)
+            self.acknowledge_received_data(size, sid)  # the connection's share
+            return
         if flags & PADDED:
             unpadded = _unpad(payload)
             if unpadded is None:
@@ -507,7 +575,7 @@ class ClientConnection:
             payload = unpadded
         events.append(DataReceived(sid, payload, size))
         if flags & END_STREAM:
-            del self.streams[sid]
+            self._remote_end(sid, stream)
             events.append(StreamEnded(sid))
 
     def _on_headers(self, flags: int, sid: int, payload: bytes, events: list[Event]) -> None:
@@ -554,13 +622,14 @@ class ClientConnection:
         ended = bool(flags & END_STREAM)
         if stream.head == 2:  # trailers
             if not ended:
-                raise self._violation(f"trailers without END_STREAM on stream {sid}")
+                self._stream_error(
+                    sid, PROTOCOL_ERROR, f"trailers without END_STREAM on stream {sid}", events
+                )
+                return
             stream.head = 3
-            del self.streams[sid]
+            self._remote_end(sid, stream)
             events.append(TrailersReceived(sid, headers))
             return
-        if stream.head == 3:
-            raise self._violation(f"HEADERS after the trailers of stream {sid}")
         status = next((v for k, v in headers if k == b":status"), b"")
         if status[:1] == b"1" and not ended:
             stream.head = 1
@@ -568,7 +637,7 @@ class ClientConnection:
             return
         stream.head = 2
         if ended:
-            del self.streams[sid]
+            self._remote_end(sid, stream)
         events.append(ResponseReceived(sid, headers, ended))
 
     def _on_window_update(self, sid: int, payload: bytes, events: list[Event]) -> None:
@@ -585,11 +654,14 @@ class ClientConnection:
             stream = self._stream_of(sid, "WINDOW_UPDATE")
             if stream is None:
                 return
-            if increment == 0:
-                raise self._violation(f"a WINDOW_UPDATE of 0 on stream {sid}")
+            if increment == 0:  # RFC 9113 6.9: a stream error
+                self._stream_error(sid, PROTOCOL_ERROR, f"a WINDOW_UPDATE of 0 on stream {sid}", events)
+                return
             stream.send_window += increment
-            if stream.send_window > MAX_WINDOW:
-                raise self._violation(f"the send window of stream {sid} above 2^31-1", FLOW_CONTROL_ERROR)
+            if stream.send_window > MAX_WINDOW:  # RFC 9113 6.9.1: terminate the stream
+                reason = f"the send window of stream {sid} above 2^31-1"
+                self._stream_error(sid, FLOW_CONTROL_ERROR, reason, events)
+                return
         events.append(_WINDOW_UPDATED)
 
     def _on_rst_stream(self, sid: int, payload: bytes, events: list[Event]) -> None:
@@ -606,6 +678,10 @@ class ClientConnection:
         if flags & ACK:
             if payload:
                 raise self._violation("a SETTINGS acknowledgement with a payload", FRAME_SIZE_ERROR)
+            if self._recv_initial != self.stream_window:  # our SETTINGS apply from now on
+                delta, self._recv_initial = self.stream_window - self._recv_initial, self.stream_window
+                for stream in self.streams.values():
+                    stream.recv_window += delta
             return
         if len(payload) % 6:
             raise self._violation("a SETTINGS payload not a multiple of 6 bytes", FRAME_SIZE_ERROR)
@@ -625,8 +701,10 @@ class ClientConnection:
                 if not DEFAULT_MAX_FRAME <= value <= 2**24 - 1:
                     raise self._violation(f"SETTINGS_MAX_FRAME_SIZE {value} out of range")
                 self.max_outbound_frame_size = value
-            elif key == ENABLE_PUSH and value > 1:
-                raise self._violation(f"SETTINGS_ENABLE_PUSH {value}")
+            elif key == ENABLE_PUSH and value != 0:  # RFC 9113 6.5.2: never from a server
+                raise self._violation(f"SETTINGS_ENABLE_PUSH {value} from the server")
+            elif key == MAX_HEADER_LIST_SIZE:
+                self.peer_max_header_list = value
             elif key == HEADER_TABLE_SIZE and value < self._table_size:  # (we never index into it)
                 self._table_size = value
                 self._table_update = _integer(value, 5, 0x20)  # a dynamic table size update
@@ -669,11 +747,13 @@ __all__ = [
     "DataReceived",
     "Event",
     "H2Error",
+    "HeadersTooLarge",
     "InformationalResponseReceived",
     "PingAckReceived",
     "ProtocolViolation",
     "RemoteSettingsChanged",
     "ResponseReceived",
+    "StreamBroken",
     "StreamEnded",
     "StreamReset",
     "StreamUnavailable",

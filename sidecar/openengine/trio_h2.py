@@ -1,58 +1,76 @@
-"""A trio-native HTTP/2 connection to the engine carrying gRPC server-streaming calls (Generate)
-(``--engine-transport trio``).
+"""One trio-native HTTP/2 connection to the engine, carrying gRPC calls (unary and
+server-streaming: every call the sidecar makes).
 
-Why (docs/PERFORMANCE.md, optimisation 13): per request, grpclib on the trio-asyncio loop costs
-an asyncio task, a trio task, a nursery and two loop hops. Here a connection is a plain trio
-object: one reader task and one writer task per connection; per call only a small
-:class:`Call` that the reader fills and the caller drains (no task, no loop hop). HTTP/2 framing,
-flow-control accounting and the stream states are :mod:`sidecar.openengine.h2_client`'s (HPACK
-decoding the ``hpack`` library's); this module moves bytes and maps events to calls.
+A connection is a plain trio object: one reader task and one writer task; per call only a small
+:class:`Call` that the reader fills and the caller drains (no task, no event-loop hop). HTTP/2
+framing, flow-control accounting and the stream states are
+:mod:`sidecar.openengine.h2_client`'s (HPACK decoding the ``hpack`` library's); the gRPC layer
+above the frames is :mod:`sidecar.openengine.grpc_http2`'s; this module moves bytes and maps
+events to calls.
 
 :class:`TrioH2Connection` (``await nursery.start(conn.run)``):
 
-- writes: the protocol object (:class:`~sidecar.openengine.h2_client.ClientConnection`) buffers
-  frames; the writer task sends them after the current scheduler pass, so frames queued
-  together (a new call's HEADERS + DATA, many calls' frames, WINDOW_UPDATEs) leave in one
-  ``send``;
+- writes: the protocol object buffers frames; the writer task sends them after the current
+  scheduler pass, so frames queued together (a new call's HEADERS + DATA, many calls' frames,
+  WINDOW_UPDATEs) leave in one ``send``;
 - flow control: a call's bytes are acknowledged to the protocol object (which queues a
   WINDOW_UPDATE once half a window is due) when its caller has taken every complete message
   received (at once while the caller keeps up; the bytes of a message still incomplete too, so
   a message larger than the window cannot stall): at most ``stream_window`` bytes wait for a
-  caller that stopped reading (as with grpclib, which acknowledges what its caller reads), and
-  only its own stream is held back — the engine feels a slow client as backpressure on that
-  request;
-- sizes: each message's gRPC length prefix is checked against ``max_message`` before the
-  message is buffered (over it: the stream is reset and the call fails ``too_large``);
+  caller that stopped reading, and only its own stream is held back — the engine feels a slow
+  client as backpressure on that request;
+- sizes: each message's gRPC length prefix is checked against the call's ``max_message``
+  before the message is buffered (over it: the stream is reset and the call fails
+  ``too_large``);
 - the peer's SETTINGS (``peer_max_streams``) are applied; a GOAWAY fails the calls the
   peer did not process (``lost``, retryable) and the connection takes no new call;
-- liveness (``keepalive``, the rules of :mod:`sidecar.openengine.channel_pool`): a PING when the
-  engine owes us frames and has sent no DATA/HEADERS for ``interval``, at most
-  ``PINGS_PER_SILENCE`` per silence; no answer within ``timeout`` closes the connection.
+- errors are scoped as RFC 9113 says: a malformed response or a stream-level violation resets
+  that stream alone and fails its call; a connection-level violation closes the connection
+  (GOAWAY), failing its calls as ``lost`` — after the events that came before it.
+
+**Liveness** (with a :class:`Keepalive`). A hung engine process or a network path that silently
+drops packets leaves a TCP connection open that nothing notices: the kernel keeps accepting our
+bytes. So a connection sends a PING when the engine *owes* it something (a call is open, or one
+started since the engine last sent a frame) and the engine has sent no DATA or HEADERS for
+``interval`` seconds; a PING not acknowledged within ``timeout`` closes the connection (its
+calls fail as ``lost``; the pool opens a new one for the next call). At most
+:data:`PINGS_PER_SILENCE` acknowledged PINGs are sent per stretch without DATA/HEADERS: gRPC's
+C-core and Go servers by default answer a third PING without data in between with GOAWAY
+``too_many_pings``, which would kill a long prefill; after two acknowledged PINGs the
+connection counts as alive until the engine sends data again. :meth:`TrioH2Connection.ping`
+sends one more whatever the count (the engine watch does when ``Health`` times out). A
+connection given up for dead is *reset* (:func:`discard_unsent`): a plain close would leave the
+kernel retransmitting what we had queued — a Generate's HEADERS, an RST_STREAM — for minutes,
+so a request could reach the engine long after its Abort was answered NOT_FOUND.
 
 Errors: a call fails with :class:`CallError` (``status`` for a gRPC status, ``lost`` for a
-reset stream or a lost connection). A peer that breaks HTTP/2 gets a GOAWAY and the
-connection closes. Cancellation: :meth:`Call.cancel` (synchronous, idempotent) queues
-RST_STREAM(CANCEL); the writer task (not the caller's) sends it, whatever the caller's scope.
+reset stream or a lost connection). Cancellation: :meth:`Call.cancel` (synchronous, idempotent)
+queues RST_STREAM(CANCEL); the writer task (not the caller's) sends it, whatever the caller's
+scope.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import math
 import os
-from typing import Any
+import socket
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import trio
 
 from sidecar.openengine import h2_client
-from sidecar.openengine.channel_pool import PINGS_PER_SILENCE, Keepalive, discard_unsent
 from sidecar.openengine.grpc_http2 import (
     INTERNAL,
     MAX_HEADER_LIST,
     MAX_MESSAGE,
     UNKNOWN,
     CallError,
+    Headers,
     MessageReader,
     TooLarge,
     grpc_status,
@@ -66,15 +84,41 @@ _CANCEL = 8  # HTTP/2 error code CANCEL
 _READ_SIZE = 256 * 1024
 _LAST_STREAM_ID = 2**31 - 2  # a client's last odd stream id is 2^31 - 1
 
+#: Acknowledged PINGs per stretch without DATA/HEADERS from the engine (module doc: gRPC
+#: servers answer the third with GOAWAY ``too_many_pings``).
+PINGS_PER_SILENCE = 2
+
+
+@dataclass(frozen=True)
+class Keepalive:
+    """HTTP/2 PING liveness of engine connections (module doc). ``interval`` <= 0: off.
+    ``on_dead`` is called for each connection closed by it."""
+
+    interval: float = 10.0
+    timeout: float = 10.0
+    on_dead: Callable[[], None] | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.interval > 0
+
+
+def discard_unsent(sock: socket.socket | None) -> None:
+    """Make closing ``sock`` a reset (``SO_LINGER`` 0): what is still queued for the peer is
+    dropped instead of retransmitted after the close (a no-op for a Unix socket)."""
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
 
 class Call:
-    """One gRPC server-streaming call: :meth:`receive` its messages, then its end."""
+    """One gRPC call on a connection: :meth:`receive` its messages, then its end."""
 
     __slots__ = (
         "_body",
         "_conn",
         "_failure",
-        "_headers_seen",
         "_messages",
         "_reader",
         "_unacked",
@@ -84,16 +128,15 @@ class Call:
         "status",
     )
 
-    def __init__(self, conn: TrioH2Connection, stream_id: int, body: bytes) -> None:
+    def __init__(self, conn: TrioH2Connection, stream_id: int, body: bytes, max_message: int) -> None:
         self._conn = conn
         self.id = stream_id
         self._body = memoryview(body)  # request bytes not yet sent (flow control)
         self._messages: collections.deque[bytes] = collections.deque()
         self._unacked = 0  # received bytes not yet acknowledged (messages wait for the caller)
-        self._reader = MessageReader(conn.max_message)
-        self._waiter: Any = None
+        self._reader = MessageReader(max_message)
+        self._waiter: trio.lowlevel.Task | None = None
         self._failure: CallError | None = None
-        self._headers_seen = False
         #: (status, message) once the engine ended the call with its trailers.
         self.status: tuple[int, str] | None = None
         #: Nothing more will be received or sent on this stream.
@@ -122,7 +165,7 @@ class Call:
                 return None
             self._waiter = trio.lowlevel.current_task()
 
-            def abort(_: Any) -> Any:
+            def abort(_: Callable[[], object]) -> trio.lowlevel.Abort:
                 self._waiter = None
                 return trio.lowlevel.Abort.SUCCEEDED
 
@@ -163,19 +206,17 @@ class TrioH2Connection:
         *,
         stream_window: int = 64 * 1024,
         conn_window: int = 16 * 1024 * 1024,
-        max_message: int = MAX_MESSAGE,
         keepalive: Keepalive | None = None,
         name: str = "engine",
     ) -> None:
         self._stream = stream
         self.name = name
         self.stream_window = stream_window
-        self.max_message = max_message
         self.keepalive = keepalive
         self.calls: dict[int, Call] = {}
         self._h2 = h2_client.ClientConnection(stream_window=stream_window, max_header_list=MAX_HEADER_LIST)
         self._conn_window = conn_window
-        self._writer: Any = None  # the writer task while it waits
+        self._writer: trio.lowlevel.Task | None = None  # the writer task while it waits
         self._out: list[bytes] = []  # bytes taken from the protocol object by the reader, sent first
         self._want_write = False
         self._sending: collections.deque[Call] = collections.deque()  # calls with body left
@@ -194,7 +235,7 @@ class TrioH2Connection:
         self._outstanding: bytes | None = None
         self._ping_deadline = math.inf
         self._kick = trio.Event()
-        self._dead = False  # closed by liveness: reset, not closed (channel_pool.discard_unsent)
+        self._dead = False  # closed by liveness: reset, not closed (:func:`discard_unsent`)
 
     @property
     def usable(self) -> bool:
@@ -207,7 +248,7 @@ class TrioH2Connection:
 
     # -- the service ---------------------------------------------------------------------------
 
-    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve the connection until it closes (peer EOF, error, :meth:`close`); every call
         still open then fails (``lost``). ``task_status.started()`` once our preface is queued."""
         self._h2.initiate_connection()
@@ -270,7 +311,7 @@ class TrioH2Connection:
             if not self._want_write:
                 self._writer = trio.lowlevel.current_task()
 
-                def abort(_: Any) -> Any:
+                def abort(_: Callable[[], object]) -> trio.lowlevel.Abort:
                     self._writer = None
                     return trio.lowlevel.Abort.SUCCEEDED
 
@@ -292,20 +333,23 @@ class TrioH2Connection:
 
     # -- calls ---------------------------------------------------------------------------------
 
-    def start_call(self, headers: list[tuple[bytes, bytes]], message: bytes) -> Call:
+    def start_call(self, headers: Headers, message: bytes, *, max_message: int = MAX_MESSAGE) -> Call:
         """Open a stream with ``headers`` and send ``message`` (one gRPC message, then
-        END_STREAM) as far as flow control allows now (the rest follows WINDOW_UPDATEs)."""
+        END_STREAM) as far as flow control allows now (the rest follows WINDOW_UPDATEs).
+        Each message received is bounded by ``max_message``."""
         if not self.usable:
             raise self.failure or CallError("engine connection is going away", lost=True)
         conn = self._h2
         try:
             sid = conn.get_next_available_stream_id()
             conn.send_headers(sid, headers)
+        except h2_client.HeadersTooLarge as err:
+            raise CallError(f"request headers refused: {err}") from None
         except h2_client.H2Error as err:
             raise CallError(
                 f"engine connection refused a new stream ({type(err).__name__}: {err})", lost=True
             ) from None
-        call = Call(self, sid, len(message).to_bytes(5, "big") + message)
+        call = Call(self, sid, len(message).to_bytes(5, "big") + message, max_message)
         self.calls[sid] = call
         self._started += 1
         self._send_body(call)
@@ -341,10 +385,7 @@ class TrioH2Connection:
         """``n`` received bytes of ``call`` are consumed: give them back to the windows (a
         WINDOW_UPDATE is queued once half a window is due; the writer is woken only then).
         ``flush=False``: the reader, which flushes after each read."""
-        try:
-            self._h2.acknowledge_received_data(n, call.id)
-        except h2_client.H2Error:
-            return  # the connection is closing
+        self._h2.acknowledge_received_data(n, call.id)
         if flush:
             out = self._h2.data_to_send()
             if out:
@@ -358,10 +399,7 @@ class TrioH2Connection:
             return
         self._end(call)
         if self.failure is None:
-            try:
-                self._h2.reset_stream(call.id, code)
-            except h2_client.H2Error:
-                pass  # already closed on the protocol's side
+            self._h2.reset_stream(call.id, code)
             self._flush_soon()
         self._close_if_done()
 
@@ -391,52 +429,59 @@ class TrioH2Connection:
                 try:
                     events = conn.receive_data(data)
                 except h2_client.ProtocolViolation as err:
+                    for event in err.events:  # what came before the violation still counts
+                        self._event(event)
                     log.warning("engine connection %s: %s; closing it", self.name, err)
                     self._lost(CallError(f"the engine broke HTTP/2 ({type(err).__name__}: {err})", lost=True))
                     return
                 for event in events:
                     self._event(event)
-                out = conn.data_to_send()  # e.g. SETTINGS and PING acknowledgements
+                out = conn.data_to_send()  # e.g. SETTINGS and PING acknowledgements, resets
                 if out:
                     self._out.append(out)
                     self._flush_soon()
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as err:
             self._lost(CallError(f"engine connection lost ({type(err).__name__}: {err})", lost=True))
 
-    def _event(self, event: Any) -> None:
-        kind = type(event)
-        if kind is h2_client.DataReceived:
+    def _event(self, event: h2_client.Event) -> None:
+        if isinstance(event, h2_client.DataReceived):
             self._on_data(event)
-        elif kind is h2_client.ResponseReceived:
+        elif isinstance(event, h2_client.ResponseReceived):
             self._on_response(event)
-        elif kind is h2_client.TrailersReceived:
+        elif isinstance(event, h2_client.TrailersReceived):
             self._on_trailers(event)
-        elif kind is h2_client.StreamEnded:
+        elif isinstance(event, h2_client.StreamEnded):
             call = self.calls.get(event.stream_id)
             if call is not None:  # END_STREAM without trailers
-                call._fail(CallError("Missing grpc-status header", UNKNOWN))
                 self._end(call)
-        elif kind is h2_client.StreamReset:
+                call._fail(CallError("Missing grpc-status header", UNKNOWN))
+        elif isinstance(event, h2_client.StreamReset):
             call = self.calls.get(event.stream_id)
             if call is not None:
                 self._end(call)
                 code = event.error_code
                 call._fail(CallError(f"the engine reset the stream (HTTP/2 error {code!s})", lost=True))
-        elif kind is h2_client.WindowUpdated or kind is h2_client.RemoteSettingsChanged:
-            if kind is h2_client.RemoteSettingsChanged:
+        elif isinstance(event, h2_client.StreamBroken):
+            call = self.calls.get(event.stream_id)
+            if call is not None:  # the protocol object reset the stream already
+                log.warning("engine connection %s: %s; stream reset", self.name, event.reason)
+                self._end(call)
+                call._fail(CallError(f"the engine broke HTTP/2 on this stream ({event.reason})"))
+        elif isinstance(event, h2_client.WindowUpdated | h2_client.RemoteSettingsChanged):
+            if isinstance(event, h2_client.RemoteSettingsChanged):
                 peer = event.max_concurrent_streams
                 self.peer_max_streams = UNLIMITED_STREAMS if peer is None else peer
                 self.settings_seen.set()
             if self._sending:
                 self._resume_sends()
-        elif kind is h2_client.PingAckReceived:
+        elif isinstance(event, h2_client.PingAckReceived):
             if event.ping_data == self._outstanding:
                 self._outstanding = None
                 self._ping_deadline = math.inf
                 self._pings += 1
-        elif kind is h2_client.ConnectionTerminated:
+        elif isinstance(event, h2_client.ConnectionTerminated):
             self._on_goaway(event)
-        elif kind is h2_client.InformationalResponseReceived:
+        elif isinstance(event, h2_client.InformationalResponseReceived):
             self._seen()
 
     def _seen(self) -> None:
@@ -445,23 +490,23 @@ class TrioH2Connection:
         self._pings = 0
         self._mark = self._started
 
-    def _on_data(self, event: Any) -> None:
+    def _on_data(self, event: h2_client.DataReceived) -> None:
         self._seen()
-        size = event.flow_controlled_length or 0
+        size = event.flow_controlled_length
         call = self.calls.get(event.stream_id)
         if call is None:
-            self._ack_conn(size, event.stream_id)
+            self._h2.acknowledge_received_data(size, event.stream_id)
             return
         try:
-            messages = call._reader.feed(event.data or b"")
+            messages = call._reader.feed(event.data)
         except TooLarge as err:
             self._reset(call, _CANCEL)
-            self._ack_conn(size, call.id)
+            self._h2.acknowledge_received_data(size, call.id)
             call._fail(CallError(str(err), too_large=(err.size, err.limit)))
             return
         except CallError as err:
             self._reset(call, _CANCEL)
-            self._ack_conn(size, call.id)
+            self._h2.acknowledge_received_data(size, call.id)
             call._fail(err)
             return
         call._unacked += size
@@ -472,20 +517,12 @@ class TrioH2Connection:
             n, call._unacked = call._unacked, 0
             self._ack(call, n, flush=False)
 
-    def _ack_conn(self, size: int, stream_id: int) -> None:
-        if size:
-            try:
-                self._h2.acknowledge_received_data(size, stream_id)
-            except h2_client.H2Error:
-                pass
-
-    def _on_response(self, event: Any) -> None:
+    def _on_response(self, event: h2_client.ResponseReceived) -> None:
         self._seen()
         call = self.calls.get(event.stream_id)
         if call is None:
             return
         headers = header_map(event.headers)
-        call._headers_seen = True
         problem = response_problem(headers)
         if problem is not None:
             if not event.stream_ended:
@@ -498,7 +535,7 @@ class TrioH2Connection:
             self._end(call)
             call._wake()
 
-    def _on_trailers(self, event: Any) -> None:
+    def _on_trailers(self, event: h2_client.TrailersReceived) -> None:
         self._seen()
         call = self.calls.get(event.stream_id)
         if call is None:
@@ -510,9 +547,9 @@ class TrioH2Connection:
         self._end(call)
         call._wake()
 
-    def _on_goaway(self, event: Any) -> None:
+    def _on_goaway(self, event: h2_client.ConnectionTerminated) -> None:
         self.goaway = True
-        last = event.last_stream_id or 0
+        last = event.last_stream_id
         code = event.error_code
         for sid in [s for s in self.calls if s > last]:
             call = self.calls.pop(sid)
@@ -532,10 +569,7 @@ class TrioH2Connection:
         if self.failure is not None or self._outstanding is not None or self.keepalive is None:
             return
         payload = os.urandom(8)
-        try:
-            self._h2.ping(payload)
-        except h2_client.H2Error:
-            return
+        self._h2.ping(payload)
         self._outstanding = payload
         self._last_ping = trio.current_time()
         self._ping_deadline = self._last_ping + self.keepalive.timeout
@@ -570,4 +604,12 @@ class TrioH2Connection:
                 self._last_ping = now  # quiet again for an interval
 
 
-__all__ = ["MAX_MESSAGE", "Call", "CallError", "TrioH2Connection"]
+__all__ = [
+    "MAX_MESSAGE",
+    "PINGS_PER_SILENCE",
+    "Call",
+    "CallError",
+    "Keepalive",
+    "TrioH2Connection",
+    "discard_unsent",
+]

@@ -1,7 +1,11 @@
-"""The Generate connection pool of ``--engine-transport trio``: trio-native HTTP/2 connections
-(:mod:`sidecar.openengine.trio_h2`) added and removed with the number of streams.
+"""A pool of trio-native HTTP/2 connections to the engine (:mod:`sidecar.openengine.trio_h2`),
+added and removed with the number of streams. The engine client keeps one for Generate streams
+and one for everything else (control calls, Drain, KV-event subscriptions), so control traffic
+never waits behind token streams.
 
-The rules are those of the grpclib pool (:mod:`sidecar.openengine.channel_pool`):
+Why a pool: an HTTP/2 peer caps the streams open on one connection
+(``SETTINGS_MAX_CONCURRENT_STREAMS``; h2-based servers advertise 100), and a stream past the
+cap would have to wait. Rules (:meth:`ConnectionPool.acquire`):
 
 - ``min_connections`` connections are kept for the pool's life (opened lazily, one per stream
   until there are that many); streams spread over them, least-loaded first;
@@ -27,20 +31,32 @@ raised to the streams waiting for that connection as :class:`CallError` (``lost`
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from dataclasses import dataclass
 
 import trio
 
-from sidecar.openengine.channel_pool import ASSUMED_PEER_STREAMS
-from sidecar.openengine.trio_h2 import CallError, TrioH2Connection
+from sidecar.openengine.trio_h2 import CallError, Keepalive, TrioH2Connection
 
 #: How long a stream on a new connection waits for the peer's first SETTINGS frame.
 SETTINGS_WAIT = 2.0
+#: Streams a peer is taken to allow until its SETTINGS arrive: the least RFC 9113 recommends,
+#: and what h2-based servers (grpclib) advertise — and enforce from their first byte: h2 answers
+#: one stream more with GOAWAY, ending every stream on the connection.
+ASSUMED_PEER_STREAMS = 100
 #: Bound of one connection attempt.
 CONNECT_TIMEOUT = 10.0
 #: How many times :meth:`ConnectionPool.acquire` moves a stream off a connection whose cap
 #: turned out lower than its reservations.
 _MAX_MOVES = 8
+
+
+@dataclass(frozen=True)
+class ConnectionOptions:
+    """How each connection of a pool is set up (:class:`~sidecar.openengine.trio_h2.TrioH2Connection`)."""
+
+    stream_window: int = 64 * 1024
+    conn_window: int = 16 * 1024 * 1024
+    keepalive: Keepalive | None = None
 
 
 class _Slot:
@@ -70,7 +86,7 @@ class ConnectionPool:
         max_streams_per_connection: int = 128,
         max_connections: int = 256,
         idle_close: float = 5.0,
-        connection_options: dict[str, Any] | None = None,
+        options: ConnectionOptions | None = None,
         name: str = "engine",
     ) -> None:
         self._connect = connect
@@ -79,7 +95,7 @@ class ConnectionPool:
         self.max_streams = max(1, max_streams_per_connection)
         self.max_connections = max(self.min_connections, max_connections)
         self.idle_close = idle_close
-        self._options = connection_options or {}
+        self._options = options or ConnectionOptions()
         self._name = name
         self._slots: list[_Slot] = []
         self._room = trio.Event()
@@ -207,7 +223,14 @@ class ConnectionPool:
             slot.ready.set()
             self._forget(slot)
             return
-        conn = TrioH2Connection(stream, name=self._name, **self._options)
+        opts = self._options
+        conn = TrioH2Connection(
+            stream,
+            stream_window=opts.stream_window,
+            conn_window=opts.conn_window,
+            keepalive=opts.keepalive,
+            name=self._name,
+        )
         slot.conn = conn
         if self._closed:
             conn.close("engine client is closed")
@@ -233,4 +256,4 @@ class ConnectionPool:
         self._room.set()
 
 
-__all__ = ["ASSUMED_PEER_STREAMS", "CONNECT_TIMEOUT", "SETTINGS_WAIT", "ConnectionPool"]
+__all__ = ["ASSUMED_PEER_STREAMS", "CONNECT_TIMEOUT", "SETTINGS_WAIT", "ConnectionOptions", "ConnectionPool"]

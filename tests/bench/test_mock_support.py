@@ -12,9 +12,9 @@ import trio
 
 from sidecar.bench import procs
 from sidecar.mock.services import REPORT_CANCEL_TIMES
-from sidecar.mock.testing import mock_engine_in_process
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
+from tests.mock_engines import mock_engine_in_process
 from tests.openengine.fake_grpc_engine import generate_pool
 from tests.polling import eventually
 

@@ -12,7 +12,7 @@ from sidecar.conformance.context import SuiteOptions
 from sidecar.conformance.model import Status
 from sidecar.conformance.runner import Report, run_suite
 from sidecar.mock.faults import parse_faults
-from sidecar.mock.testing import InProcessEngine, mock_engine_in_process
+from tests.mock_engines import InProcessEngine, mock_engine_in_process
 
 #: A conformant simulated engine: it frees a request whose client left (the mock's default
 #: ``hold`` is the leak ``cancel.close-frees`` exists to catch) and takes 1 ms per token so

@@ -20,8 +20,8 @@ from sidecar.conformance.corpus import Corpus
 from sidecar.conformance.model import Status
 from sidecar.conformance.runner import all_checks, run_check
 from sidecar.conformance.streams import StreamRecord
-from sidecar.mock.testing import run_mock_engine
 from sidecar.openengine import pb
+from tests.mock_engines import run_mock_engine
 
 from .helpers import CONFORMANT, explain, ids, mock, suite
 

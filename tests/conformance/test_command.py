@@ -11,7 +11,7 @@ from typing import Any
 import trio
 
 from sidecar.conformance.runner import all_checks
-from sidecar.mock.testing import run_mock_engine
+from tests.mock_engines import run_mock_engine
 
 
 async def _cli(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[bytes]:

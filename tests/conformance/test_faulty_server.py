@@ -17,7 +17,6 @@ from sidecar.conformance.streams import kind
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
 from sidecar.openengine.errors import EngineStatusError
-from sidecar.openengine.raw import raw_generate
 
 from .faulty_server import MODEL, error, faulty_engine, token, usage
 from .helpers import explain, ids, suite
@@ -63,7 +62,7 @@ async def test_raw_stream_shows_everything(aio_loop: Any) -> None:
         request = pb.GenerateRequest(request_id="raw-1", model=MODEL, prompt="hi")
         seen: list[str] = []
         with trio.fail_after(10):
-            async with raw_generate(client, request) as stream:
+            async with client.generate(request, checked=False) as stream:
                 try:
                     async for event in stream:
                         seen.append(kind(event))

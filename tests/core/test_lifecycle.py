@@ -162,13 +162,13 @@ class SlowSink(Sink):
 
 
 async def test_inactivity_timeout_counts_waits_for_the_engine_not_a_slow_client(
-    server: RunningServer, transport: str
+    server: RunningServer
 ) -> None:
     """Events that arrived together, each taking the client longer than the inactivity timeout
     to take: the stream completes (the relay lifts the deadline while it relays, and sets it
     only before waiting for the engine); once the engine then goes silent, the timeout fires."""
     config = LifecycleConfig(abort_timeout=1.0, abort_retry_window=2.0, inactivity_timeout=0.2)
-    async with open_engine_client(server.address, transport=transport) as client:
+    async with open_engine_client(server.address) as client:
         supervisor = StreamSupervisor(client, config)
         server.engine.streams["Generate"] = lambda r, md: tokens(r.request_id, 3)
         sink = SlowSink(0.3)

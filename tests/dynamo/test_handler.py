@@ -21,11 +21,11 @@ from sidecar.core.lifecycle import OUTCOME_COMPLETED, Outcome
 from sidecar.core.sidecar import Sidecar, SidecarConfig
 from sidecar.dynamo.handler import StreamBridge
 from sidecar.mock import tokenizer as tok
-from sidecar.mock.testing import InProcessEngine, mock_engine_in_process
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
 from tests.dynamo.test_aio_batch import pass_counter
 from tests.dynamo.test_mapping import dynamo_request
+from tests.mock_engines import InProcessEngine, mock_engine_in_process
 from tests.polling import eventually
 
 

@@ -15,12 +15,12 @@ import trio_asyncio
 
 from sidecar.kvbridge import KvBridgeInfo
 from sidecar.mock.faults import parse_faults
-from sidecar.mock.testing import mock_engine_in_process, run_mock_engine
 from sidecar.openengine import pb
 from sidecar.openengine.client import EngineClient, open_engine_client
 from tests.fake_engine import apply
 from tests.kvbridge.consumer import Consumer
 from tests.kvbridge.helpers import CLEARED, Metrics, start_bridge
+from tests.mock_engines import mock_engine_in_process, run_mock_engine
 
 RANKS = 2
 REQUESTS = 8  # per rank; each makes one or more KV batches (prefill, decode blocks, evictions)

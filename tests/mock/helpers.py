@@ -10,9 +10,9 @@ import betterproto2
 import trio
 
 from sidecar.mock.faults import parse_faults
-from sidecar.mock.testing import InProcessEngine, mock_engine_in_process
 from sidecar.openengine import pb
 from sidecar.openengine.client import EngineClient, MetadataLike, open_engine_client
+from tests.mock_engines import InProcessEngine, mock_engine_in_process
 from tests.polling import eventually
 
 

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import trio
 
-from sidecar.mock.testing import MockEngineStartError, run_mock_engine
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
 from sidecar.openengine.errors import EngineUnavailable
+from tests.mock_engines import MockEngineStartError, run_mock_engine
 
 from .helpers import collect, request, token_ids
 

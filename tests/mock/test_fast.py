@@ -9,9 +9,9 @@ import trio
 
 from sidecar.mock import events as ev
 from sidecar.mock import generator as gen
-from sidecar.mock.testing import run_mock_engine
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
+from tests.mock_engines import run_mock_engine
 
 from .helpers import collect, engine, request
 

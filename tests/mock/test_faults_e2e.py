@@ -8,7 +8,6 @@ import pytest
 import trio
 import trio_asyncio
 
-from sidecar.mock.testing import EngineCrashed
 from sidecar.openengine import pb
 from sidecar.openengine.errors import (
     EngineProtocolError,
@@ -17,6 +16,7 @@ from sidecar.openengine.errors import (
     EngineUnavailable,
 )
 from sidecar.openengine.revision import SCHEMA_RELEASE
+from tests.mock_engines import EngineCrashed
 from tests.polling import eventually
 
 from .helpers import collect, counters, engine, finishes, health_is, kind, request, token_ids, wait_for

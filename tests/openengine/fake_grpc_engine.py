@@ -20,11 +20,21 @@ import grpclib.const
 import grpclib.server
 import trio_asyncio
 from grpclib.const import Cardinality, Handler, Status
+from grpclib.encoding.proto import ProtoCodec
 from grpclib.exceptions import GRPCError
 
 from sidecar.openengine import pb
 from sidecar.openengine._grpclib_internals import server_port
-from sidecar.openengine.codec import Codec
+
+
+class _Codec(ProtoCodec):
+    """betterproto2 messages; ``bytes`` sent as already-serialized messages."""
+
+    def encode(self, message: Any, message_type: Any) -> bytes:
+        return bytes(message)
+
+    def decode(self, data: bytes, message_type: Any) -> Any:
+        return message_type.parse(data)
 
 
 @dataclass
@@ -140,7 +150,7 @@ class RunningServer:
 
     def __init__(self, engine: FakeGrpcEngine) -> None:
         self.engine = engine
-        self.server = grpclib.server.Server([engine], codec=Codec())
+        self.server = grpclib.server.Server([engine], codec=_Codec())
         self.address = ""
         self.transports: list[Any] = []
         #: How each connection ended: None (the client closed it), or the error (a reset).
@@ -210,5 +220,5 @@ __all__ = ["FakeGrpcEngine", "Gate", "RunningServer", "Status", "grpclib", "stat
 
 
 def generate_pool(client: Any) -> Any:
-    """The Generate pool of ``client`` for its transport (``loads()``: ``(streams, cap)`` each)."""
-    return client._trio_pool if client._trio_pool is not None else client._generate
+    """The Generate pool of ``client`` (``loads()``: ``(streams, cap)`` each)."""
+    return client._generate

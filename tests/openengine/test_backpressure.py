@@ -2,13 +2,10 @@
 
 The engine (a real grpclib server on loopback) sends 1 KiB messages; the caller reads one and
 stops. What the engine managed to send is what the client side buffers for it: at most one
-stream window (64 KiB) plus a message on the trio transport; grpclib's adds its channel of
-``stream_buffer`` messages into trio (which grpclib reads, and so acknowledges, ahead of the
-caller). The trio transport once
-acknowledged bytes as they arrived while its caller had less than a window queued, so a
-non-reading caller held two windows — enough for a real vLLM engine to finish a request the
-client never read (tests/vllm/test_engine.py, ALREADY_FINISHED on Abort). Another stream on the
-same connection keeps flowing meanwhile, and the stalled one resumes whole when read.
+stream window (64 KiB) plus a message. (Acknowledging bytes as they arrive while the caller
+has less than a window queued would let a non-reading caller hold two windows — enough for a
+real vLLM engine to finish a request the client never read.) Another stream on the same
+connection keeps flowing meanwhile, and the stalled one resumes whole when read.
 """
 
 from __future__ import annotations
@@ -26,7 +23,6 @@ from tests.openengine.fake_grpc_engine import RunningServer, tokens
 MESSAGES = 600  # 600 KiB: far beyond what any buffer on the way may hold
 TEXT = "x" * 1000
 WINDOW = 64 * 1024
-STREAM_BUFFER = 64  # open_engine_client's default stream_buffer (messages)
 
 
 def req(request_id: str) -> pb.GenerateRequest:
@@ -34,7 +30,7 @@ def req(request_id: str) -> pb.GenerateRequest:
 
 
 async def test_a_caller_that_stops_reading_stalls_only_its_own_stream(
-    server: RunningServer, transport: str
+    server: RunningServer
 ) -> None:
     pulled: list[int] = []
     stalled = asyncio.Event()
@@ -58,7 +54,7 @@ async def test_a_caller_that_stops_reading_stalls_only_its_own_stream(
 
     server.engine.streams["Generate"] = script
     with trio.fail_after(30):
-        async with open_engine_client(server.address, transport=transport) as client:
+        async with open_engine_client(server.address) as client:
             async with client.generate(req("big")) as stream:
                 first = await stream.__anext__()
                 assert first.token is not None and first.token.tokens[0].token_id == 0
@@ -71,8 +67,7 @@ async def test_a_caller_that_stops_reading_stalls_only_its_own_stream(
                 sent = len(pulled) - 1
                 wire_size = len(bytes(first)) + 5
                 assert not stalled.is_set()
-                # grpclib's calls also pass messages to trio through a channel of STREAM_BUFFER
-                allowed = WINDOW // wire_size + 2 + (STREAM_BUFFER if transport == "grpclib" else 0)
+                allowed = WINDOW // wire_size + 2
                 assert sent <= allowed, (sent, wire_size, allowed)
 
                 # Another stream on the same connection is not held back.

@@ -1,5 +1,5 @@
 """Every message from the engine over its bound is refused from its length prefix, before it
-is read (sidecar/openengine/_grpclib_internals.py: recv_bounded), against a real grpclib server: unary answers,
+is read (sidecar/openengine/grpc_http2.py: MessageReader), against a real grpclib server: unary answers,
 Generate and Drain events, KV batches. What came before is delivered, the connection serves the
 next call, and a message at the bound passes."""
 
@@ -15,7 +15,6 @@ import trio
 
 from sidecar.openengine import pb
 from sidecar.openengine.client import EngineClient, open_engine_client
-from sidecar.openengine.codec import Codec
 from sidecar.openengine.errors import EngineClientError, EngineMessageTooLarge
 from sidecar.openengine.message_limits import EngineLimits
 from sidecar.openengine.rawfields import length_delimited
@@ -23,9 +22,18 @@ from tests.openengine.fake_grpc_engine import RunningServer, tokens
 
 
 @pytest.fixture
-async def client(server: RunningServer, transport: str) -> AsyncIterator[EngineClient]:
-    async with open_engine_client(server.address, transport=transport) as c:
+async def client(server: RunningServer) -> AsyncIterator[EngineClient]:
+    async with open_engine_client(server.address) as c:
         yield c
+
+
+def wrap_parse(
+    monkeypatch: pytest.MonkeyPatch, types: tuple[type, ...], wrapper: Callable[[Callable[[bytes], Any], bytes], Any]
+) -> None:
+    """Route each message type's ``parse`` (what the client decodes with) through ``wrapper``."""
+    for message_type in types:
+        parse = message_type.parse  # type: ignore[attr-defined]
+        monkeypatch.setattr(message_type, "parse", staticmethod(lambda data, parse=parse: wrapper(parse, data)))
 
 
 def batch(seq: int, tokens: int) -> pb.SubscribeKvEventsResponse:
@@ -94,8 +102,8 @@ def padded(message: Any, size: int) -> bytes:
 
 
 @pytest.fixture
-async def small_client(server: RunningServer, transport: str) -> AsyncIterator[EngineClient]:
-    async with open_engine_client(server.address, limits=SMALL, transport=transport) as c:
+async def small_client(server: RunningServer) -> AsyncIterator[EngineClient]:
+    async with open_engine_client(server.address, limits=SMALL) as c:
         yield c
 
 
@@ -170,14 +178,12 @@ async def test_large_messages_decode_alike_in_a_worker_thread(
 ) -> None:
     """Over ``decode_inline_bytes`` a message is decoded off the event loop: the same result."""
     threads: list[tuple[int, bool]] = []  # (size, decoded on the main thread)
-    decode = Codec.decode
 
-    def recording(self: Codec, data: bytes, message_type: Any) -> Any:
-        if message_type in (pb.SubscribeKvEventsResponse, pb.LoadInfo):
-            threads.append((len(data), threading.current_thread() is threading.main_thread()))
-        return decode(self, data, message_type)
+    def recording(parse: Callable[[bytes], Any], data: bytes) -> Any:
+        threads.append((len(data), threading.current_thread() is threading.main_thread()))
+        return parse(data)
 
-    monkeypatch.setattr(Codec, "decode", recording)
+    wrap_parse(monkeypatch, (pb.SubscribeKvEventsResponse, pb.LoadInfo), recording)
     inline = client.limits.decode_inline_bytes
     big = batch(1, 100_000)
     info = pb.LoadInfo(instance_id="x" * (2 * inline))
@@ -204,21 +210,20 @@ async def test_large_decodes_run_at_most_decode_threads_at_once(
     order."""
     running, most = 0, 0
     lock = threading.Lock()
-    decode = Codec.decode
 
-    def slow(self: Codec, data: bytes, message_type: Any) -> Any:
+    def slow(parse: Callable[[bytes], Any], data: bytes) -> Any:
         nonlocal running, most
         if threading.current_thread() is threading.main_thread():
-            return decode(self, data, message_type)
+            return parse(data)
         with lock:
             running += 1
             most = max(most, running)
         time.sleep(0.05)  # a worker thread's decode, long enough to overlap the others'
         with lock:
             running -= 1
-        return decode(self, data, message_type)
+        return parse(data)
 
-    monkeypatch.setattr(Codec, "decode", slow)
+    wrap_parse(monkeypatch, (pb.SubscribeKvEventsResponse,), slow)
     server.engine.streams["SubscribeKvEvents"] = lambda r, md: [batch(i, 20_000) for i in range(3)]
     got: dict[int, list[int]] = {}
 

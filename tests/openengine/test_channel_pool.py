@@ -6,7 +6,6 @@ connection) and the scriptable fake engine (with a patched, smaller limit where 
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import grpclib.protocol
@@ -14,14 +13,11 @@ import pytest
 import trio
 import trio_asyncio
 from h2.connection import H2Connection
-from h2.events import RemoteSettingsChanged
 
-from sidecar.mock.testing import mock_engine_in_process
-from sidecar.openengine import channel_pool, pb
-from sidecar.openengine._grpclib_internals import channel_protocol, closed_streams
-from sidecar.openengine.channel_pool import _CoalescingTransport
+from sidecar.openengine import pb
 from sidecar.openengine.client import EngineClient, open_engine_client
 from sidecar.openengine.errors import EngineUnavailable
+from tests.mock_engines import mock_engine_in_process
 from tests.openengine.fake_grpc_engine import FakeGrpcEngine, Gate, RunningServer, generate_pool, tokens
 from tests.polling import eventually
 
@@ -86,7 +82,7 @@ async def open_group(nursery: trio.Nursery, client: EngineClient, prefix: str, n
     return g
 
 
-async def test_per_channel_cap_is_respected(transport: str, server: RunningServer) -> None:
+async def test_per_channel_cap_is_respected(server: RunningServer) -> None:
     stalled(server)
     with trio.fail_after(10):
         async with open_engine_client(
@@ -94,7 +90,6 @@ async def test_per_channel_cap_is_respected(transport: str, server: RunningServe
             generate_channels=2,
             max_streams_per_channel=10,
             idle_channel_close=0,
-            transport=transport,
         ) as client:
             opened = trio.Semaphore(0)
             async with trio.open_nursery() as nursery:
@@ -111,8 +106,7 @@ async def test_per_channel_cap_is_respected(transport: str, server: RunningServe
             assert len(server.transports) == 2 + 2  # four generate connections were ever made
 
 
-async def test_peer_limit_below_our_cap(
-    transport: str, server: RunningServer, monkeypatch: pytest.MonkeyPatch
+async def test_peer_limit_below_our_cap(server: RunningServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A server advertising 5 streams per connection: 23 streams in one burst all reach it."""
 
@@ -127,7 +121,7 @@ async def test_peer_limit_below_our_cap(
     stalled(server)
     with trio.fail_after(10):
         async with open_engine_client(
-            server.address, generate_channels=1, idle_channel_close=0, transport=transport
+            server.address, generate_channels=1, idle_channel_close=0
         ) as client:
             opened = trio.Semaphore(0)
             async with trio.open_nursery() as nursery:
@@ -141,7 +135,7 @@ async def test_peer_limit_below_our_cap(
             assert generate_pool(client).loads() == [(0, 5)]
 
 
-async def test_a_channel_with_a_stream_is_never_closed(transport: str, server: RunningServer) -> None:
+async def test_a_channel_with_a_stream_is_never_closed(server: RunningServer) -> None:
     stalled(server)
     with trio.fail_after(10):
         async with open_engine_client(
@@ -149,7 +143,6 @@ async def test_a_channel_with_a_stream_is_never_closed(transport: str, server: R
             generate_channels=1,
             max_streams_per_channel=3,
             idle_channel_close=0,
-            transport=transport,
         ) as client:
             async with trio.open_nursery() as nursery:
                 a = await open_group(nursery, client, "a", 3)
@@ -170,7 +163,7 @@ async def test_a_channel_with_a_stream_is_never_closed(transport: str, server: R
                 assert generate_pool(client).loads() == [(0, 3)]
 
 
-async def test_idle_extra_channel_closes_after_the_idle_period(transport: str, server: RunningServer) -> None:
+async def test_idle_extra_channel_closes_after_the_idle_period(server: RunningServer) -> None:
     stalled(server)
     with trio.fail_after(10):
         async with open_engine_client(
@@ -178,7 +171,6 @@ async def test_idle_extra_channel_closes_after_the_idle_period(transport: str, s
             generate_channels=1,
             max_streams_per_channel=2,
             idle_channel_close=0.3,
-            transport=transport,
         ) as client:
             async with trio.open_nursery() as nursery:
                 await open_group(nursery, client, "a", 2)
@@ -197,11 +189,11 @@ async def test_idle_extra_channel_closes_after_the_idle_period(transport: str, s
             assert len(server.transports) == 2
 
 
-async def test_cancel_resets_a_stream_on_an_extra_channel(transport: str, server: RunningServer) -> None:
+async def test_cancel_resets_a_stream_on_an_extra_channel(server: RunningServer) -> None:
     stalled(server)
     with trio.fail_after(10):
         async with open_engine_client(
-            server.address, generate_channels=1, max_streams_per_channel=1, transport=transport
+            server.address, generate_channels=1, max_streams_per_channel=1
         ) as client:
             async with trio.open_nursery() as nursery:
                 await open_group(nursery, client, "a", 1)
@@ -215,66 +207,7 @@ async def test_cancel_resets_a_stream_on_an_extra_channel(transport: str, server
                 nursery.cancel_scope.cancel()
 
 
-async def test_a_cancel_arriving_with_the_settings_frame_cancels(
-    server: RunningServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A stream's new connection waits for the engine's SETTINGS frame; a cancel delivered in the
-    event-loop step that frame is read in (on a loaded host both become readable in one wakeup)
-    must cancel: the request is never sent and the caller's block ends. A lost cancel opened the
-    stream anyway and the caller then waited on an engine stream nothing would end (a P/D decode
-    left open until its sidecar was killed, issue 22).
-
-    The timing is injected, not waited for: the connection holds what the engine sends until
-    the stream waits for SETTINGS, then delivers it as one read (an event-loop callback, as the
-    network does); a hook after the SETTINGS frame's processing cancels the caller's scope."""
-    stalled(server)  # one token, then a wait: a stream opened despite the cancel still ends
-    scope = trio.CancelScope()
-    made, data_received = channel_pool._PoolProtocol.connection_made, channel_pool._PoolProtocol.data_received
-
-    def connection_made(self: Any, transport: Any) -> None:
-        made(self, transport)
-        self.held, self.waiting, self.scheduled = [], False, False
-        wait = self.settings_seen.wait
-
-        async def waiting_for_settings() -> bool:
-            self.waiting = True
-            deliver_later(self)
-            return await wait()
-
-        self.settings_seen.wait = waiting_for_settings
-        self.add_event_hook(RemoteSettingsChanged, lambda event: scope.cancel())
-
-    def deliver_later(self: Any) -> None:
-        """Once the stream waits and something arrived: all of it, in one later callback."""
-        if self.waiting and self.held and not self.scheduled:
-            self.scheduled = True
-            asyncio.get_running_loop().call_soon(deliver, self)
-
-    def deliver(self: Any) -> None:
-        held, self.held = self.held, None
-        data_received(self, b"".join(held))
-
-    def holding(self: Any, data: bytes) -> None:
-        if self.held is None:
-            data_received(self, data)
-        else:
-            self.held.append(data)
-            deliver_later(self)
-
-    monkeypatch.setattr(channel_pool._PoolProtocol, "connection_made", connection_made)
-    monkeypatch.setattr(channel_pool._PoolProtocol, "data_received", holding)
-    with trio.fail_after(10):
-        async with open_engine_client(server.address, generate_channels=1, transport="grpclib") as client:
-            with scope:
-                async with client.generate(req("r")) as stream:
-                    async for _ in stream:
-                        raise AssertionError("an event after the cancel")
-            assert scope.cancelled_caught
-            assert client.generate_stream_count == 0
-            assert [s.request.request_id for s in server.engine.seen] == []
-
-
-async def test_pool_reconnects_after_engine_restart(transport: str, aio_loop: Any, tmp_path: Any) -> None:
+async def test_pool_reconnects_after_engine_restart(aio_loop: Any, tmp_path: Any) -> None:
     path = str(tmp_path / "e.sock")
     srv = RunningServer(FakeGrpcEngine())
     await srv.start(path=path)
@@ -285,7 +218,6 @@ async def test_pool_reconnects_after_engine_restart(transport: str, aio_loop: An
             generate_channels=1,
             max_streams_per_channel=2,
             idle_channel_close=0,
-            transport=transport,
         ) as client:
             failures: list[BaseException] = []
 
@@ -301,8 +233,8 @@ async def test_pool_reconnects_after_engine_restart(transport: str, aio_loop: An
                 assert client.generate_channel_count == 3
                 await srv.stop()
             assert len(failures) == 5
-            # grpclib keeps its channel (it reconnects lazily); the trio pool forgets a lost connection
-            assert generate_pool(client).loads() == ([(0, 2)] if transport == "grpclib" else [])
+            # a lost connection is forgotten; the next stream opens a new one
+            assert generate_pool(client).loads() == []
             srv2 = RunningServer(FakeGrpcEngine())
             await srv2.start(path=path)
             stalled(srv2)
@@ -317,7 +249,7 @@ async def test_pool_reconnects_after_engine_restart(transport: str, aio_loop: An
                 await srv2.stop()
 
 
-async def test_thousand_stalled_streams_reach_a_100_stream_engine(transport: str, aio_loop: Any) -> None:
+async def test_thousand_stalled_streams_reach_a_100_stream_engine(aio_loop: Any) -> None:
     """grpclib engines allow 100 streams per connection: with 4 fixed channels only 400 of
     these reached the engine; the pool opens connections until all 1,000 have."""
     n = 1000
@@ -325,7 +257,7 @@ async def test_thousand_stalled_streams_reach_a_100_stream_engine(transport: str
         async with mock_engine_in_process(
             kv_events="none", max_running=n, max_queue=n, total_kv_blocks=40 * n
         ) as eng:
-            async with open_engine_client(eng.address, idle_channel_close=0, transport=transport) as client:
+            async with open_engine_client(eng.address, idle_channel_close=0) as client:
                 opened = trio.Semaphore(0)
                 stall = pb.Struct.from_dict({"mock": {"faults": ["stall=1"]}})
 
@@ -358,91 +290,12 @@ async def test_thousand_stalled_streams_reach_a_100_stream_engine(transport: str
                 await eventually(lambda: eng.engine.counters.streams_open == 0)
 
 
-class RecordingTransport:
-    def __init__(self) -> None:
-        self.writes: list[bytes] = []
-        self.closed = self.aborted = False
-
-    def write(self, data: bytes) -> None:
-        self.writes.append(data)
-
-    def is_closing(self) -> bool:
-        return self.closed or self.aborted
-
-    def close(self) -> None:
-        self.closed = True
-
-    def abort(self) -> None:
-        self.aborted = True
-
-    def get_extra_info(self, name: str) -> str:
-        return f"info:{name}"
-
-
-async def test_writes_of_one_loop_step_leave_in_one_send(aio_loop: Any) -> None:
-    async def scenario() -> tuple[list[bytes], list[bytes], list[bytes], RecordingTransport]:
-        inner = RecordingTransport()
-        t = _CoalescingTransport(inner)
-        t.write(b"HEADERS")
-        t.write(b"")
-        t.write(b"DATA")
-        during = list(inner.writes)
-        await asyncio.sleep(0)  # the end of the step
-        after_step = list(inner.writes)
-        t.write(b"RST")
-        t.close()  # sends what is pending, then closes
-        assert t.get_extra_info("socket") == "info:socket"
-        return during, after_step, list(inner.writes), inner
-
-    during, after_step, final, inner = await trio_asyncio.aio_as_trio(scenario)()
-    assert during == []
-    assert after_step == [b"HEADERSDATA"]
-    assert final == [b"HEADERSDATA", b"RST"] and inner.closed
-
-
-async def test_abort_drops_pending_writes(aio_loop: Any) -> None:
-    async def scenario() -> RecordingTransport:
-        inner = RecordingTransport()
-        t = _CoalescingTransport(inner)
-        t.write(b"x")
-        t.abort()
-        await asyncio.sleep(0)
-        return inner
-
-    inner = await trio_asyncio.aio_as_trio(scenario)()
-    assert inner.writes == [] and inner.aborted
-
-
-async def test_each_connection_remembers_a_bounded_number_of_closed_streams(
-    server: RunningServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """h2 keeps closed stream ids (65,536 by default, ~7.5 MiB per connection); the client's
-    connections keep CLOSED_STREAMS_KEPT — the soak's steady RSS growth was exactly this."""
-    monkeypatch.setattr(channel_pool, "CLOSED_STREAMS_KEPT", 10)
+async def test_a_connection_remembers_no_closed_stream(server: RunningServer) -> None:
+    """A connection keeps state for open streams only: after 25 ended calls, and while a 26th
+    is open, one stream is known."""
     server.engine.streams["Generate"] = lambda r, md: tokens(r.request_id, 2)
     with trio.fail_after(20):
-        async with open_engine_client(server.address, generate_channels=1, transport="grpclib") as client:
-            for i in range(25):
-                async with client.generate(req(f"r{i}")) as stream:
-                    async for _ in stream:
-                        pass
-            await client.health()
-            (slot,) = client._generate._slots
-            generate = channel_protocol(slot.channel)
-            assert generate is not None
-            # h2 files a stream under "closed" when it next counts open streams: 24 of 25 here
-            assert closed_streams(generate) == (10, 10)
-            control = channel_protocol(client._control_channel())  # every channel: same bound
-            assert control is not None and closed_streams(control)[1] == 10
-
-
-async def test_a_trio_connection_remembers_no_closed_stream(server: RunningServer) -> None:
-    """The trio-native transport's connections keep state for open streams only (h2 needed
-    CLOSED_STREAMS_KEPT to bound what it remembered of closed ones): after 25 ended calls, and
-    while a 26th is open, one stream is known."""
-    server.engine.streams["Generate"] = lambda r, md: tokens(r.request_id, 2)
-    with trio.fail_after(20):
-        async with open_engine_client(server.address, generate_channels=1, transport="trio") as client:
+        async with open_engine_client(server.address, generate_channels=1) as client:
             for i in range(25):
                 async with client.generate(req(f"r{i}")) as stream:
                     async for _ in stream:
@@ -456,13 +309,13 @@ async def test_a_trio_connection_remembers_no_closed_stream(server: RunningServe
             assert conn._h2.streams == {}  # reset on leaving
 
 
-async def test_a_trio_connection_out_of_stream_ids_takes_no_new_stream(server: RunningServer) -> None:
+async def test_a_connection_out_of_stream_ids_takes_no_new_stream(server: RunningServer) -> None:
     """HTTP/2 stream ids run out after 2^30 streams on a connection: the next stream goes to a
     new connection (it failed with EngineUnavailable, and so did every later one)."""
     server.engine.streams["Generate"] = lambda r, md: tokens(r.request_id, 1)
     with trio.fail_after(10):
         async with open_engine_client(
-            server.address, generate_channels=1, idle_channel_close=0, transport="trio"
+            server.address, generate_channels=1, idle_channel_close=0
         ) as client:
             async with client.generate(req("r0")) as stream:
                 assert len([e async for e in stream]) == 2

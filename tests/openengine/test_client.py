@@ -22,8 +22,8 @@ from tests.openengine.fake_grpc_engine import FakeGrpcEngine, Gate, RunningServe
 
 
 @pytest.fixture
-async def client(server: RunningServer, transport: str) -> AsyncIterator[EngineClient]:
-    async with open_engine_client(server.address, transport=transport) as c:
+async def client(server: RunningServer) -> AsyncIterator[EngineClient]:
+    async with open_engine_client(server.address) as c:
         yield c
 
 
@@ -233,9 +233,9 @@ async def test_output_index_out_of_range(server: RunningServer, client: EngineCl
                 pass
 
 
-async def test_unreachable_engine(aio_loop: Any, transport: str) -> None:
+async def test_unreachable_engine(aio_loop: Any) -> None:
     with trio.fail_after(5):
-        async with open_engine_client("127.0.0.1:1", transport=transport) as c:
+        async with open_engine_client("127.0.0.1:1") as c:
             with pytest.raises(EngineUnavailable):
                 await c.health()
             with pytest.raises(EngineUnavailable):
@@ -244,13 +244,13 @@ async def test_unreachable_engine(aio_loop: Any, transport: str) -> None:
                         pass
 
 
-async def test_unix_socket(aio_loop: Any, tmp_path: Any, transport: str) -> None:
+async def test_unix_socket(aio_loop: Any, tmp_path: Any) -> None:
     srv = RunningServer(FakeGrpcEngine())
     address = await srv.start(path=str(tmp_path / "engine.sock"))
     srv.engine.streams["Generate"] = lambda r, md: tokens(r.request_id, 3)
     try:
         with trio.fail_after(5):
-            async with open_engine_client(address, transport=transport) as c:
+            async with open_engine_client(address) as c:
                 assert (await c.health()).state == pb.HealthState.READY
                 async with c.generate(req()) as stream:
                     assert len([e async for e in stream]) == 4
@@ -324,12 +324,12 @@ async def test_control_not_blocked_by_open_streams(server: RunningServer, client
             nursery.cancel_scope.cancel()
 
 
-async def test_reconnect_after_engine_restart(aio_loop: Any, tmp_path: Any, transport: str) -> None:
+async def test_reconnect_after_engine_restart(aio_loop: Any, tmp_path: Any) -> None:
     path = str(tmp_path / "e.sock")
     srv = RunningServer(FakeGrpcEngine())
     await srv.start(path=path)
     with trio.fail_after(10):
-        async with open_engine_client(f"unix://{path}", transport=transport) as c:
+        async with open_engine_client(f"unix://{path}") as c:
             assert (await c.health()).state == pb.HealthState.READY
             await srv.stop()
             with pytest.raises(EngineUnavailable):

@@ -49,11 +49,13 @@ from sidecar.openengine.h2_client import (
     ClientConnection,
     ConnectionTerminated,
     DataReceived,
+    HeadersTooLarge,
     InformationalResponseReceived,
     PingAckReceived,
     ProtocolViolation,
     RemoteSettingsChanged,
     ResponseReceived,
+    StreamBroken,
     StreamEnded,
     StreamReset,
     StreamUnavailable,
@@ -115,11 +117,13 @@ def describe(event: Any) -> tuple[Any, ...]:
 
 
 def opened(**kwargs: Any) -> tuple[ClientConnection, hpack.Encoder]:
-    """A client past the handshake (an empty server SETTINGS) with stream 1 open and answered
-    (response headers received) and stream 3 open and unanswered; the server's HPACK encoder."""
+    """A client past the handshake (an empty server SETTINGS, and the server's acknowledgement
+    of ours) with stream 1 open and answered (response headers received) and stream 3 open and
+    unanswered; the server's HPACK encoder."""
     conn = ClientConnection(**kwargs)
     conn.initiate_connection()
-    assert [type(e) for e in conn.receive_data(frame(SETTINGS, 0, 0))] == [RemoteSettingsChanged]
+    handshake = frame(SETTINGS, 0, 0) + frame(SETTINGS, h2_client.ACK, 0)
+    assert [type(e) for e in conn.receive_data(handshake)] == [RemoteSettingsChanged]
     conn.send_headers(1, REQUEST, end_stream=True)
     conn.send_headers(3, REQUEST, end_stream=True)
     encoder = hpack.Encoder()
@@ -706,16 +710,9 @@ VIOLATIONS: list[tuple[str, dict[str, Any], Callable[[hpack.Encoder], bytes], in
         lambda e: frame(DATA, 0, 1, b"x" * 16_384) * 4,
         FLOW_CONTROL_ERROR,
     ),
-    (
-        "DATA beyond a stream window",
-        {"stream_window": 1_000},
-        lambda e: frame(DATA, 0, 1, b"x" * 1_001),
-        FLOW_CONTROL_ERROR,
-    ),
     ("DATA on stream 0", {}, lambda e: frame(DATA, 0, 0, b"x"), PROTOCOL_ERROR),
     ("DATA on an even stream", {}, lambda e: frame(DATA, 0, 2, b"x"), PROTOCOL_ERROR),
     ("DATA on an idle stream", {}, lambda e: frame(DATA, 0, 5, b"x"), PROTOCOL_ERROR),
-    ("DATA before response headers", {}, lambda e: frame(DATA, 0, 3, b"x"), PROTOCOL_ERROR),
     ("HEADERS on stream 0", {}, lambda e: frame(HEADERS, END_HEADERS, 0, e.encode(RESPONSE)), PROTOCOL_ERROR),
     ("HEADERS on an even stream", {}, lambda e: frame(HEADERS, END_HEADERS, 2, b"\x88"), PROTOCOL_ERROR),
     ("HEADERS on an idle stream", {}, lambda e: frame(HEADERS, END_HEADERS, 7, b"\x88"), PROTOCOL_ERROR),
@@ -739,13 +736,6 @@ VIOLATIONS: list[tuple[str, dict[str, Any], Callable[[hpack.Encoder], bytes], in
         PROTOCOL_ERROR,
     ),
     (
-        "trailers without END_STREAM",
-        {},
-        lambda e: frame(HEADERS, END_HEADERS, 1, e.encode(TRAILERS)),
-        PROTOCOL_ERROR,
-    ),
-    ("WINDOW_UPDATE of 0 on a stream", {}, lambda e: frame(WINDOW_UPDATE, 0, 1, u32(0)), PROTOCOL_ERROR),
-    (
         "WINDOW_UPDATE of 0 on the connection",
         {},
         lambda e: frame(WINDOW_UPDATE, 0, 0, u32(0)),
@@ -755,12 +745,6 @@ VIOLATIONS: list[tuple[str, dict[str, Any], Callable[[hpack.Encoder], bytes], in
         "connection WINDOW_UPDATE above 2^31-1",
         {},
         lambda e: frame(WINDOW_UPDATE, 0, 0, u32(2**31 - 1 - 65_535 + 1)),
-        FLOW_CONTROL_ERROR,
-    ),
-    (
-        "stream WINDOW_UPDATE above 2^31-1",
-        {},
-        lambda e: frame(WINDOW_UPDATE, 0, 1, u32(2**31 - 1 - 65_535 + 1)),
         FLOW_CONTROL_ERROR,
     ),
     (
@@ -853,6 +837,169 @@ VIOLATIONS: list[tuple[str, dict[str, Any], Callable[[hpack.Encoder], bytes], in
 ]
 
 
+#: Stream errors (RFC 9113 5.4.2): (name, ClientConnection arguments, the broken frames, the
+#: stream they break, the RST_STREAM code). Stream 1 is answered, stream 3 not (``opened``).
+STREAM_ERRORS: list[tuple[str, dict[str, Any], Callable[[hpack.Encoder], bytes], int, int]] = [
+    (
+        "DATA beyond a stream window",
+        {"stream_window": 1_000},
+        lambda e: frame(DATA, 0, 1, b"x" * 1_001),
+        1,
+        FLOW_CONTROL_ERROR,
+    ),
+    (
+        "DATA before response headers (RFC 9113 8.1.1)",
+        {},
+        lambda e: frame(DATA, 0, 3, b"x"),
+        3,
+        PROTOCOL_ERROR,
+    ),
+    (
+        "trailers without END_STREAM (RFC 9113 8.1)",
+        {},
+        lambda e: frame(HEADERS, END_HEADERS, 1, e.encode(TRAILERS)),
+        1,
+        PROTOCOL_ERROR,
+    ),
+    (
+        "WINDOW_UPDATE of 0 on a stream (RFC 9113 6.9)",
+        {},
+        lambda e: frame(WINDOW_UPDATE, 0, 1, u32(0)),
+        1,
+        PROTOCOL_ERROR,
+    ),
+    (
+        "stream WINDOW_UPDATE above 2^31-1 (RFC 9113 6.9.1)",
+        {},
+        lambda e: frame(WINDOW_UPDATE, 0, 1, u32(2**31 - 1 - 65_535 + 1)),
+        1,
+        FLOW_CONTROL_ERROR,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "build", "sid", "code"), [v[1:] for v in STREAM_ERRORS], ids=[v[0] for v in STREAM_ERRORS]
+)
+def test_stream_error_resets_that_stream_alone(
+    kwargs: dict[str, Any], build: Callable[[hpack.Encoder], bytes], sid: int, code: int
+) -> None:
+    """A stream-level violation yields StreamBroken, queues RST_STREAM with its code (no
+    GOAWAY) and forgets the stream; the connection and the other stream go on."""
+    conn, encoder = opened(**kwargs)
+    events = conn.receive_data(build(encoder))
+    assert [(type(e), e.stream_id, e.error_code) for e in events if isinstance(e, StreamBroken)] == [
+        (StreamBroken, sid, code)
+    ]
+    frames = parse(conn.data_to_send())
+    assert (RST_STREAM, 0, sid, u32(code)) in frames and GOAWAY not in [t for t, _, _, _ in frames]
+    assert not conn.closed and sid not in conn.streams
+    other = 3 if sid == 1 else 1
+    if other == 3:
+        conn.receive_data(frame(HEADERS, END_HEADERS, 3, encoder.encode(RESPONSE)))
+    assert [describe(e) for e in conn.receive_data(frame(DATA, 0, other, b"go on"))] == [
+        (DataReceived, b"go on", 5, other)
+    ]
+    assert conn.receive_data(frame(PING, 0, 0, b"8 bytes!")) == []
+    assert parse(conn.data_to_send())[-1] == (PING, h2_client.ACK, 0, b"8 bytes!")
+
+
+def test_first_frame_must_be_settings() -> None:
+    """RFC 9113 3.4: the server's preface is a SETTINGS frame; anything else first (here a PING,
+    or a SETTINGS acknowledgement) is a connection error."""
+    for first in (frame(PING, 0, 0, b"8 bytes!"), frame(SETTINGS, h2_client.ACK, 0)):
+        conn = ClientConnection()
+        conn.initiate_connection()
+        conn.data_to_send()
+        _assert_violation(conn, first, PROTOCOL_ERROR)
+
+
+def test_enable_push_from_a_server_is_a_connection_error() -> None:
+    """RFC 9113 6.5.2: a client treats SETTINGS_ENABLE_PUSH = 1 as a connection error; 0 is fine."""
+    conn = ClientConnection()
+    conn.initiate_connection()
+    assert [type(e) for e in conn.receive_data(frame(SETTINGS, 0, 0, setting(2, 0)))] == [
+        RemoteSettingsChanged
+    ]
+    other = ClientConnection()
+    other.initiate_connection()
+    other.data_to_send()
+    _assert_violation(other, frame(SETTINGS, 0, 0, setting(2, 1)), PROTOCOL_ERROR)
+
+
+def test_our_settings_apply_once_acknowledged() -> None:
+    """Until the peer acknowledges our SETTINGS it may use the protocol's default window (65,535)
+    for our streams: a smaller window of ours is not a violation then; from its acknowledgement on
+    the stream's window is ours (what was received before counts against it)."""
+    conn = ClientConnection(stream_window=1_000)
+    conn.initiate_connection()
+    conn.receive_data(frame(SETTINGS, 0, 0))
+    conn.send_headers(1, REQUEST, end_stream=True)
+    encoder = hpack.Encoder()
+    events = conn.receive_data(
+        frame(HEADERS, END_HEADERS, 1, encoder.encode(RESPONSE)) + frame(DATA, 0, 1, b"x" * 5_000)
+    )
+    assert [type(e) for e in events] == [ResponseReceived, DataReceived]
+    assert conn.streams[1].recv_window == 65_535 - 5_000
+    assert conn.receive_data(frame(SETTINGS, h2_client.ACK, 0)) == []
+    assert conn.streams[1].recv_window == 1_000 - 5_000  # negative: no more DATA until updates
+    [broken] = conn.receive_data(frame(DATA, 0, 1, b"y"))
+    assert isinstance(broken, StreamBroken) and broken.error_code == FLOW_CONTROL_ERROR
+
+
+def test_events_before_a_violation_are_handed_over() -> None:
+    """What one read parsed before a connection error comes with the ProtocolViolation."""
+    conn, _ = opened()
+    wire = frame(DATA, 0, 1, b"ok") + frame(DATA, 0, 0, b"x")
+    with pytest.raises(ProtocolViolation) as caught:
+        conn.receive_data(wire)
+    assert [describe(e) for e in caught.value.events] == [(DataReceived, b"ok", 2, 1)]
+
+
+def test_a_stream_ended_while_its_request_is_being_sent_is_reset() -> None:
+    """RFC 9113 8.1: a server may answer before the request is whole; the client then closes the
+    stream with RST_STREAM(NO_ERROR) (here after trailers, after a trailers-only response, and
+    after DATA with END_STREAM), so the server does not keep counting it."""
+    for answer in ("trailers", "trailers-only", "data-end"):
+        conn = ClientConnection()
+        conn.initiate_connection()
+        conn.receive_data(frame(SETTINGS, 0, 0))
+        conn.send_headers(1, REQUEST)  # no END_STREAM: the body is still to come
+        conn.data_to_send()
+        encoder = hpack.Encoder()
+        if answer == "trailers":
+            wire = frame(HEADERS, END_HEADERS, 1, encoder.encode(RESPONSE))
+            wire += frame(HEADERS, END_HEADERS | END_STREAM, 1, encoder.encode(TRAILERS))
+        elif answer == "trailers-only":
+            wire = frame(HEADERS, END_HEADERS | END_STREAM, 1, encoder.encode([*RESPONSE, *TRAILERS]))
+        else:
+            wire = frame(HEADERS, END_HEADERS, 1, encoder.encode(RESPONSE)) + frame(DATA, END_STREAM, 1, b"")
+        conn.receive_data(wire)
+        assert 1 not in conn.streams
+        assert [f for f in parse(conn.data_to_send()) if f[0] == RST_STREAM] == [
+            (RST_STREAM, 0, 1, u32(0))
+        ], answer
+    # a request already sent whole gets no RST_STREAM
+    conn, encoder = opened()
+    conn.receive_data(frame(HEADERS, END_HEADERS | END_STREAM, 1, encoder.encode(TRAILERS)))
+    assert [f for f in parse(conn.data_to_send()) if f[0] == RST_STREAM] == []
+
+
+def test_request_headers_over_the_peers_limit_are_refused() -> None:
+    """A request header list over the peer's SETTINGS_MAX_HEADER_LIST_SIZE (counted as RFC 9113
+    6.5.2 does: name + value + 32 per field) raises HeadersTooLarge; no stream is opened."""
+    size = sum(len(n) + len(v) + 32 for n, v in REQUEST)
+    conn = ClientConnection()
+    conn.initiate_connection()
+    conn.receive_data(frame(SETTINGS, 0, 0, setting(6, size)))
+    conn.data_to_send()
+    conn.send_headers(1, REQUEST)  # exactly at the limit
+    with pytest.raises(HeadersTooLarge):
+        conn.send_headers(3, [*REQUEST, (b"x", b"")])
+    assert list(conn.streams) == [1] and conn.get_next_available_stream_id() == 3
+    assert [t for t, _, _, _ in parse(conn.data_to_send())] == [HEADERS]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "build", "code"), [v[1:] for v in VIOLATIONS], ids=[v[0] for v in VIOLATIONS]
 )
@@ -939,7 +1086,7 @@ def test_priority_and_unknown_frames_are_ignored() -> None:
 
 def test_informational_response_before_the_real_one() -> None:
     """A 1xx head comes as InformationalResponseReceived; the 200 after it is the response
-    (DATA then accepted); DATA between the two is not."""
+    (DATA then accepted); DATA between the two is a stream error (RFC 9113 8.1.1)."""
     conn, encoder = opened()
     wire = frame(HEADERS, END_HEADERS, 3, encoder.encode([(b":status", b"100")]))
     wire += frame(HEADERS, END_HEADERS, 3, encoder.encode(RESPONSE)) + frame(DATA, 0, 3, b"m")
@@ -950,7 +1097,9 @@ def test_informational_response_before_the_real_one() -> None:
     ]
     other, encoder = opened()
     other.receive_data(frame(HEADERS, END_HEADERS, 3, encoder.encode([(b":status", b"103")])))
-    _assert_violation(other, frame(DATA, 0, 3, b"m"), PROTOCOL_ERROR)
+    [broken] = other.receive_data(frame(DATA, 0, 3, b"m"))
+    assert isinstance(broken, StreamBroken) and (broken.stream_id, broken.error_code) == (3, PROTOCOL_ERROR)
+    assert not other.closed
 
 
 def test_data_with_end_stream_and_no_trailers() -> None:
@@ -1028,16 +1177,15 @@ def test_send_data_misuse(peer: Peer) -> None:
     assert client.data_to_send() == b""
 
 
-def test_reset_stream_misuse() -> None:
+def test_reset_stream_is_idempotent() -> None:
     """reset_stream of a stream not open (never opened, already reset, ended by the server)
-    raises StreamUnavailable and queues nothing."""
+    queues nothing."""
     conn, encoder = opened()
     conn.reset_stream(3)
     conn.data_to_send()
     conn.receive_data(frame(HEADERS, END_HEADERS | END_STREAM, 1, encoder.encode(TRAILERS)))
     for sid in (1, 3, 5):
-        with pytest.raises(StreamUnavailable):
-            conn.reset_stream(sid)
+        conn.reset_stream(sid)
     assert conn.data_to_send() == b""
 
 

@@ -12,9 +12,9 @@ import trio
 import trio_asyncio
 
 from sidecar.openengine import pb
-from sidecar.openengine.channel_pool import PINGS_PER_SILENCE, Keepalive
 from sidecar.openengine.client import open_engine_client
 from sidecar.openengine.errors import EngineUnavailable
+from sidecar.openengine.trio_h2 import PINGS_PER_SILENCE, Keepalive
 from tests.openengine.fake_grpc_engine import Gate, RunningServer, tokens
 from tests.polling import eventually
 
@@ -48,22 +48,18 @@ async def pause_server_reading(server: RunningServer, paused: bool) -> None:
 
 def liveness_of(client: Any) -> Any:
     """What counts the PINGs of the client's one Generate connection (``_pings``)."""
-    if client._trio_pool is not None:
-        (conn,) = client._trio_pool.connections()
-        return conn
-    (channel,) = client._generate.channels()
-    return channel._protocol.liveness
+    (conn,) = client._generate.connections()
+    return conn
 
 
-async def test_a_peer_that_stops_answering_is_closed_and_its_stream_fails(
-    transport: str, server: RunningServer
+async def test_a_peer_that_stops_answering_is_closed_and_its_stream_fails(server: RunningServer
 ) -> None:
     stalled(server)
     dead: list[int] = []
     keepalive = Keepalive(INTERVAL, TIMEOUT, lambda: dead.append(1))
     with trio.fail_after(10):
         async with open_engine_client(
-            server.address, generate_channels=1, keepalive=keepalive, transport=transport
+            server.address, generate_channels=1, keepalive=keepalive
         ) as client:
             async with client.generate(request("r1")) as stream:
                 await stream.__anext__()  # the first token: the stream is open and healthy
@@ -87,8 +83,7 @@ async def test_a_peer_that_stops_answering_is_closed_and_its_stream_fails(
                 assert len([e async for e in again]) == 3
 
 
-async def test_a_live_silent_peer_gets_two_pings_and_keeps_its_stream(
-    transport: str, server: RunningServer
+async def test_a_live_silent_peer_gets_two_pings_and_keeps_its_stream(server: RunningServer
 ) -> None:
     """A long prefill: the engine answers PINGs but sends no data. Two PINGs, then none until
     it sends data again (gRPC servers answer a third with GOAWAY too_many_pings); a probe
@@ -100,14 +95,13 @@ async def test_a_live_silent_peer_gets_two_pings_and_keeps_its_stream(
             server.address,
             generate_channels=1,
             keepalive=Keepalive(INTERVAL, TIMEOUT, lambda: dead.append(1)),
-            transport=transport,
         ) as client:
             async with client.generate(request("r1")) as stream:
                 await stream.__anext__()
                 liveness = liveness_of(client)
                 await trio.sleep(8 * INTERVAL)  # silence long enough for many intervals
                 assert liveness._pings == PINGS_PER_SILENCE and dead == []
-                await client.probe_liveness()
+                client.probe_liveness()
                 await trio.sleep(2 * TIMEOUT)
                 assert liveness._pings == PINGS_PER_SILENCE + 1 and dead == []
 
@@ -119,11 +113,11 @@ async def test_a_live_silent_peer_gets_two_pings_and_keeps_its_stream(
             assert dead == []
 
 
-async def test_without_keepalive_a_hung_peer_holds_the_stream(transport: str, server: RunningServer) -> None:
+async def test_without_keepalive_a_hung_peer_holds_the_stream(server: RunningServer) -> None:
     """The fault is real: with no keepalive nothing notices the peer stopped answering."""
     stalled(server)
     with trio.fail_after(10):
-        async with open_engine_client(server.address, generate_channels=1, transport=transport) as client:
+        async with open_engine_client(server.address, generate_channels=1) as client:
             async with client.generate(request("r1")) as stream:
                 await stream.__anext__()
                 await pause_server_reading(server, True)

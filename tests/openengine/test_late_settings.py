@@ -24,9 +24,9 @@ import trio
 import trio.testing
 
 from sidecar.openengine import pb
-from sidecar.openengine.channel_pool import SETTINGS_WAIT
 from sidecar.openengine.client import open_engine_client
 from sidecar.openengine.errors import EngineClientError
+from sidecar.openengine.trio_pool import SETTINGS_WAIT
 
 DELAY = SETTINGS_WAIT + 1.0
 CALLS = 128
@@ -75,7 +75,7 @@ class LateEngine:
 
 
 async def test_streams_before_the_engines_settings_stay_within_its_default_limit(
-    aio_loop: Any, transport: str
+    aio_loop: Any
 ) -> None:
     engine = LateEngine()
     failed: list[str] = []
@@ -93,7 +93,7 @@ async def test_streams_before_the_engines_settings_stay_within_its_default_limit
         async with trio.open_nursery() as outer:
             await outer.start(engine.serve)
             async with (
-                open_engine_client(engine.address, generate_channels=1, transport=transport) as client,
+                open_engine_client(engine.address, generate_channels=1) as client,
                 trio.open_nursery() as nursery,
             ):
                 for i in range(CALLS):

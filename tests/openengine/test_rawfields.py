@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sidecar.openengine import pb
-from sidecar.openengine.codec import Codec, HandedOver
+from sidecar.openengine.codec import HandedOver, decode_generate_response
 from sidecar.openengine.rawfields import WireError, last_field_bytes, nested_field_bytes
 
 # dp_rank=1 before session_id (out of field order), plus unknown field 99: re-serializing differs
@@ -17,8 +17,8 @@ def prefill_ready_bytes(raw: bytes) -> bytes:
     return b"\x0a\x01x" + b"\x22" + bytes([len(inner)]) + inner  # request_id, prefill_ready = 4
 
 
-def test_codec_keeps_engine_session_bytes() -> None:
-    handed = Codec().decode(prefill_ready_bytes(RAW_SESSION), pb.GenerateResponse)
+def test_decoding_keeps_engine_session_bytes() -> None:
+    handed = decode_generate_response(prefill_ready_bytes(RAW_SESSION))
     assert isinstance(handed, HandedOver) and handed.raw == RAW_SESSION
     assert handed.message.prefill_ready.kv_session.session_id == "a"
     assert bytes(handed.message.prefill_ready.kv_session) != RAW_SESSION  # why the raw bytes are kept
@@ -26,7 +26,7 @@ def test_codec_keeps_engine_session_bytes() -> None:
 
 def test_other_events_are_plain_messages() -> None:
     data = bytes(pb.GenerateResponse(request_id="x", token=pb.TokenOutput(output_index=0)))
-    assert type(Codec().decode(data, pb.GenerateResponse)) is pb.GenerateResponse
+    assert type(decode_generate_response(data)) is pb.GenerateResponse
 
 
 def test_last_occurrence_wins_and_scalars_are_skipped() -> None:

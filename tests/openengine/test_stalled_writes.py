@@ -1,5 +1,5 @@
-"""Generate calls whose request bytes cannot leave end within a second when the engine's
-connection is then reset (issue 22: streams that waited for ``--first-event-timeout``).
+"""Calls whose request bytes cannot leave end within a second when the engine's connection is
+then reset (streams once waited for ``--first-event-timeout`` there).
 
 A scripted HTTP/2 engine (the ``h2`` library on a raw trio socket over loopback) accepts one
 connection and stalls the client's writes in one of two ways:
@@ -8,16 +8,13 @@ connection and stalls the client's writes in one of two ways:
   WINDOW_UPDATE, so each call's request body waits for window;
 - ``socket``: it grants the largest windows, then never reads, with a small receive buffer: the
   requests fill the kernel's buffers and the client's own send buffer, so the connection's
-  writes wait for the socket (grpclib: ``pause_writing``; trio: a blocked ``send_all``);
-- ``stream-limit`` (control calls, always on grpclib): it allows one stream and answers none,
+  writes wait for the socket (a blocked ``send_all``);
+- ``stream-limit``: it allows one stream and answers none,
   so the next calls wait for a stream slot.
 
 Once every task is blocked (``trio.testing.wait_all_tasks_blocked``: nothing moves any more),
 the engine closes its listener and resets the connection (SO_LINGER 0: RST). Every call must
-end with :class:`EngineUnavailable` (retryable) within a second, on both transports.
-
-grpclib (0.4.9) left a call waiting before its stream opened (``write_ready`` or
-``stream_close_waiter``) waiting for ever: ``sidecar.openengine._grpclib_internals`` wakes it.
+end with :class:`EngineUnavailable` (retryable) within a second.
 """
 
 from __future__ import annotations
@@ -143,7 +140,7 @@ async def reset_then_expect_every_call_ended(
 
 @pytest.mark.parametrize("mode", ["flow-control", "socket"])
 async def test_calls_waiting_to_send_end_when_the_connection_is_reset(
-    aio_loop: Any, transport: str, mode: str
+    aio_loop: Any, mode: str
 ) -> None:
     prompt = "x" * (SMALL_PROMPT if mode == "flow-control" else BIG_PROMPT)
     outcomes: dict[int, BaseException | str] = {}
@@ -165,7 +162,7 @@ async def test_calls_waiting_to_send_end_when_the_connection_is_reset(
     with trio.fail_after(20):
         async with (
             stalling_engine(mode) as engine,
-            open_engine_client(engine.address, generate_channels=1, transport=transport) as client,
+            open_engine_client(engine.address, generate_channels=1) as client,
             trio.open_nursery() as nursery,
         ):
             for i in range(CALLS):

@@ -1,4 +1,4 @@
-"""Both Generate transports map what an engine's HTTP/2 connection says to the same typed errors.
+"""What an engine's HTTP/2 connection says, mapped to the client's typed errors.
 
 A scripted HTTP/2 server (the ``h2`` library on trio, over loopback) answers each Generate the
 way a test chooses — a non-gRPC HTTP status, a wrong content type, a stream ended without
@@ -86,16 +86,12 @@ CASES: dict[str, tuple[Answer, type[Exception], str | None, str]] = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-async def test_the_same_typed_error_on_both_transports(aio_loop: Any, transport: str, case: str) -> None:
-    if transport == "grpclib" and case == "no-trailers":
-        pytest.xfail(
-            "grpclib waits for trailers after END_STREAM (the inactivity timeout ends such a stream)"
-        )
+async def test_typed_error_for_what_the_engine_says(case: str) -> None:
     answer, kind, status, text = CASES[case]
     with trio.fail_after(10):
         async with (
             scripted_engine(answer) as address,
-            open_engine_client(address, transport=transport) as client,
+            open_engine_client(address) as client,
         ):
             with pytest.raises(kind) as caught:
                 async with client.generate(pb.GenerateRequest(request_id="r", prompt="hi")) as stream:
@@ -108,7 +104,7 @@ async def test_the_same_typed_error_on_both_transports(aio_loop: Any, transport:
         assert text in str(err), err
 
 
-async def test_a_failure_inside_a_trio_connection_closes_only_that_connection(
+async def test_a_failure_inside_a_connection_closes_only_that_connection(
     server: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An unexpected exception while a connection handles a frame fails its calls
@@ -124,7 +120,7 @@ async def test_a_failure_inside_a_trio_connection_closes_only_that_connection(
         raise RuntimeError("a bug")
 
     with trio.fail_after(10):
-        async with open_engine_client(server.address, generate_channels=1, transport="trio") as client:
+        async with open_engine_client(server.address, generate_channels=1) as client:
             monkeypatch.setattr(trio_h2.TrioH2Connection, "_on_trailers", broken)
             with pytest.raises(EngineUnavailable):
                 async with client.generate(pb.GenerateRequest(request_id="r1", prompt="hi")) as stream:

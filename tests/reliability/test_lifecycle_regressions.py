@@ -12,7 +12,7 @@ from tests.openengine.fake_grpc_engine import Gate, RunningServer, tokens
 
 
 async def test_client_gone_raised_inside_a_cancelled_connection_is_contained(
-    server: RunningServer, transport: str
+    server: RunningServer
 ) -> None:
     """The WebSocket plane, on a client stalled past --stall-timeout, cancels the whole
     connection's scope and then raises ClientGone from ``emit``. The upstream stream's helper
@@ -23,7 +23,7 @@ async def test_client_gone_raised_inside_a_cancelled_connection_is_contained(
     gate = Gate()
     server.engine.streams["Generate"] = lambda r, md: [*tokens(r.request_id, 2)[:1], gate]
     async with (
-        open_engine_client(server.address, transport=transport) as client,
+        open_engine_client(server.address) as client,
         trio.open_nursery() as nursery,
     ):
         sup = StreamSupervisor(client, LifecycleConfig(abort_timeout=1.0, abort_retry_window=2.0))

@@ -1,4 +1,4 @@
-"""Start simulated engines from trio code (tests, benchmarks, conformance runs).
+"""Start simulated engines from trio tests.
 
 Two helpers, both async context managers:
 
