@@ -4,8 +4,8 @@ This module is the sidecar's cancellation contract (docs/LIFECYCLE.md):
 
 - A stream is *admitted* by :meth:`StreamSupervisor.admit` (draining, capacity and
   duplicate ``request_id`` checks) and then *run* by :meth:`StreamSupervisor.run` in a task
-  of its connection's nursery. The upstream ``Generate`` call lives in that task's own
-  nursery (inside ``EngineClient.generate``).
+  of its connection's nursery. The upstream ``Generate`` call is read by that task itself
+  (``EngineClient.generate``: no task of its own), inside the stream's cancel scope.
 - Leaving the stream for any reason — client ``cancel``, socket closed, drain deadline,
   inactivity timeout, engine error, shutdown — closes the upstream stream (HTTP/2 reset),
   then, unless a terminal event was seen or the engine refused the request, sends
@@ -14,12 +14,13 @@ This module is the sidecar's cancellation contract (docs/LIFECYCLE.md):
   ``abort_retry_window``) so the client's ``end`` is never held hostage by a dead engine.
   Still undelivered after that window (the engine unreachable: a partition, a hang), it is
   kept — at most ``max_undelivered_aborts``, the oldest dropped and counted — and re-sent
-  once the engine answers again (sidecar/core/abort_backlog.py).
-  ``ABORTED``, ``ALREADY_FINISHED`` and ``NOT_FOUND`` all count as done — but a ``NOT_FOUND``
-  for a request the engine had sent nothing on may mean the Abort (on the control connection)
-  overtook the request (on its Generate connection: a packet retransmitted, a partition
-  healing), so it is confirmed: sent again after each of ``abort_confirm_after``, the id
-  kept out of admission meanwhile.
+  once the engine answers again. ``ABORTED``, ``ALREADY_FINISHED`` and ``NOT_FOUND`` all count
+  as done — but a ``NOT_FOUND`` for a request the engine had sent nothing on may mean the Abort
+  (on the control connection) overtook the request (on its Generate connection: a packet
+  retransmitted, a partition healing), so it is confirmed: sent again after each of
+  ``abort_confirm_after``, the id kept out of admission meanwhile. Where each Abort stands is
+  one state per request id (:mod:`sidecar.core.abort_ledger`). A stream that ends after the
+  supervisor's service stopped (the stop deadline) still gets a direct, bounded Abort.
 - :meth:`run` always returns exactly one :class:`Outcome`; the caller sends it as the
   stream's single ``end``.
 """
@@ -33,12 +34,11 @@ import random
 import secrets
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import trio
 
 from sidecar.core import metrics
-from sidecar.core.abort_backlog import REDELIVER_FIRST_PAUSE, REDELIVER_MAX_PAUSE, AbortBacklog
+from sidecar.core.abort_ledger import REDELIVER_FIRST_PAUSE, REDELIVER_MAX_PAUSE, AbortLedger
 from sidecar.core.errors import Rejection, error_code_name
 from sidecar.core.handoff import splice_kv_session
 from sidecar.logs import log_context
@@ -197,8 +197,9 @@ class EngineProgress:
 class StreamSupervisor:
     """Owns every admitted stream of the sidecar (all connections, all planes).
 
-    Resources: a registry of in-flight request ids, a background nursery for Abort
-    retries and the re-delivery of undelivered Aborts (started with :meth:`run_service`). After
+    Resources: a registry of in-flight request ids, the ledger of Aborts still owed
+    (:attr:`aborts`), a background nursery for Abort retries, confirmations and the re-delivery
+    of undelivered Aborts (started with :meth:`run_service`). After
     :meth:`start_draining` new work is refused with a typed ``DRAINING`` rejection;
     :meth:`wait_idle` returns once no stream is in flight.
     """
@@ -214,39 +215,34 @@ class StreamSupervisor:
         #: Abort calls in flight at once (a mass disconnect queues here instead of timing out
         #: thousands of concurrent calls on the control channel).
         self._abort_slots = trio.CapacityLimiter(self.config.max_concurrent_aborts)
-        #: Ids whose Abort is still being retried in the background: not admitted again until
-        #: it is done (a late Abort would end the new stream).
-        self._aborting: set[str] = set()
-        #: Kept Aborts being re-sent right now (a dropped one stays in ``_aborting`` till then).
-        self._probing: set[str] = set()
-        #: Aborts of streams the engine sent nothing on: a NOT_FOUND for them is confirmed.
-        self._unanswered: set[str] = set()
-        #: Of those, the ones answered NOT_FOUND (confirmed once their Abort is done with).
-        self._not_found: set[str] = set()
+        #: Every Abort still under way, by request id: not admitted again until it is done (a
+        #: late Abort would end the new stream).
+        self.aborts = AbortLedger(self.config.max_undelivered_aborts)
         self.progress = EngineProgress()
-        #: Aborts still owed after ``abort_retry_window`` (their ids stay in ``_aborting``).
-        self.backlog = AbortBacklog(self.config.max_undelivered_aborts)
         #: Closed by the engine watch while the engine is lost (background Aborts wait).
         self.engine_reachable = Gate()
-        self.engine_reachable.on_open = self.backlog.answered
+        self.engine_reachable.on_open = self.aborts.answered
 
     # -- service ---------------------------------------------------------------------------
 
     async def run_service(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Host background Abort retries and the re-delivery of undelivered Aborts until
-        cancelled (start in the root nursery). Aborts still undelivered then are logged."""
+        """Host background Abort retries, confirmations and the re-delivery of undelivered Aborts
+        until cancelled (start in the root nursery). From the moment it stops, a stream that ends
+        sends its Abort directly (bounded by ``abort_timeout``); first attempts under way finish
+        (shielded, bounded); Aborts still undelivered then are logged."""
         try:
             async with trio.open_nursery() as outer, trio.open_nursery() as nursery:
-                if self.backlog.cap:
+                if self.aborts.cap:
                     outer.start_soon(self._redeliver)
                 self._retry_nursery = nursery
                 task_status.started()
-                await trio.sleep_forever()
+                try:
+                    await trio.sleep_forever()
+                finally:
+                    self._retry_nursery = None  # closing: no new background attempt from here
         finally:
-            if len(self.backlog):
-                log.warning(
-                    "%d Aborts never reached the engine (unreachable until the end)", len(self.backlog)
-                )
+            if undelivered := len(self.aborts.backlog()):
+                log.warning("%d Aborts never reached the engine (unreachable until the end)", undelivered)
 
     # -- admission -------------------------------------------------------------------------
 
@@ -273,7 +269,7 @@ class StreamSupervisor:
                 return request_id
 
     def _in_use(self, request_id: str) -> bool:
-        return request_id in self.streams or request_id in self._aborting
+        return request_id in self.streams or request_id in self.aborts
 
     def admit(
         self,
@@ -309,7 +305,7 @@ class StreamSupervisor:
                 pb.ErrorCode.DUPLICATE_REQUEST,
                 f"request_id {quote(request.request_id)} is already in flight here",
             )
-        elif request.request_id in self._aborting:
+        elif request.request_id in self.aborts:
             raise Rejection(
                 pb.ErrorCode.DUPLICATE_REQUEST,
                 f"request_id {quote(request.request_id)} is still being aborted here; retry later",
@@ -356,16 +352,11 @@ class StreamSupervisor:
         self, handle: StreamHandle, emit: Callable[[pb.GenerateResponse], Awaitable[None]]
     ) -> Outcome:
         relay = _Relay(handle, emit, self.config, self.progress)
-        client_gone = False
         try:
             with handle.scope:
                 await relay.run(self.engine)
-        except* ClientGone:
-            # except*: when the connection's scope was cancelled as ClientGone was raised, the
-            # grpclib transport's helper task adds a Cancelled and the two arrive as one group;
-            # only that Cancelled (the enclosing scope's) may propagate.
+        except ClientGone:
             handle.cancel_reason = handle.cancel_reason or OUTCOME_CLIENT_GONE
-            client_gone = True
         finally:
             try:
                 if relay.needs_abort():
@@ -373,11 +364,6 @@ class StreamSupervisor:
                     await self.abort(handle.request_id, unanswered=relay.stream.messages == 0)
             finally:
                 self._release(handle)
-        if client_gone:
-            # The trio transport has no helper task, so no Cancelled came with ClientGone: if the
-            # enclosing scope is cancelled, that cancellation propagates here, after the Abort,
-            # as it does on grpclib (not an outcome nobody reads).
-            await trio.lowlevel.checkpoint_if_cancelled()
         if relay.outcome is not None:
             outcome = relay.outcome
         elif relay.saw_terminal():
@@ -401,42 +387,42 @@ class StreamSupervisor:
         thousands of concurrent calls), then calls, each bounded by ``abort_timeout``; no slot,
         no answer or a retryable failure: it is retried there within ``abort_retry_window``.
         ``unanswered``: the engine sent nothing on the stream, so a NOT_FOUND is confirmed
-        (:meth:`_confirm`).
+        (:meth:`_confirm`). Without the background (no :meth:`run_service`, or it stopped: the
+        stop deadline), or for an id whose Abort is under way already, one direct attempt.
         """
         with trio.CancelScope(shield=True):
             answered = trio.Event()
-            if self._retry_nursery is None:  # no background (a supervisor without run_service)
+            nursery = self._retry_nursery
+            if nursery is None or request_id in self.aborts:
                 with trio.move_on_after(self.config.abort_timeout):
                     await self._first_attempt(request_id, answered)
                 return
-            self._aborting.add(request_id)
-            if unanswered and self.config.abort_confirm_after:
-                self._unanswered.add(request_id)
-            self._retry_nursery.start_soon(self._abort_in_background, request_id, answered)
+            self.aborts.begin(request_id, confirm=unanswered and bool(self.config.abort_confirm_after))
+            nursery.start_soon(self._abort_in_background, request_id, answered)
             with trio.move_on_after(self.config.abort_timeout):
                 await answered.wait()
 
     async def _abort_in_background(self, request_id: str, answered: trio.Event) -> None:
         parked = False
         try:
-            retry, attempted, unreachable = await self._first_attempt(request_id, answered)
+            # shielded: a service stopping meanwhile does not cut the first attempt short (it is
+            # bounded: a slot, then the call, each within abort_timeout)
+            with trio.CancelScope(shield=True):
+                retry, attempted, unreachable = await self._first_attempt(request_id, answered)
             if retry:
                 parked = await self._retry_abort_until_done(request_id, attempted, unreachable)
         finally:
             answered.set()
-            if not parked:
-                self._done_with(request_id)
+            if not parked and self.aborts.finish(request_id, can_confirm=self._retry_nursery is not None):
+                self._start_confirm(request_id)
 
-    def _done_with(self, request_id: str) -> None:
-        """The Abort of ``request_id`` is over: free its id, or, answered NOT_FOUND on a stream
-        the engine sent nothing on, keep it while :meth:`_confirm` sends it again."""
-        self._unanswered.discard(request_id)
-        if request_id in self._not_found and self._retry_nursery is not None:
-            self._not_found.discard(request_id)
+    def _start_confirm(self, request_id: str) -> None:
+        """Confirm a NOT_FOUND in the background (:meth:`_confirm`); at once done with when the
+        service stopped."""
+        if self._retry_nursery is None:
+            self.aborts.confirmed(request_id)
+        else:
             self._retry_nursery.start_soon(self._confirm, request_id)
-            return
-        self._not_found.discard(request_id)
-        self._aborting.discard(request_id)
 
     async def _confirm(self, request_id: str) -> None:
         """Send a NOT_FOUND Abort again after each pause of ``abort_confirm_after`` until one
@@ -467,15 +453,7 @@ class StreamSupervisor:
                         )
                     return
         finally:
-            self._not_found.discard(request_id)
-            self._aborting.discard(request_id)
-
-    def _park(self, request_id: str) -> None:
-        """Keep an Abort the engine could not be reached for (its id stays in ``_aborting``,
-        so it is not admitted again meanwhile); the oldest kept is dropped when full."""
-        dropped = self.backlog.add(request_id)
-        if dropped is not None and dropped not in self._probing:  # else freed when that call ends
-            self._done_with(dropped)
+            self.aborts.confirmed(request_id)
 
     async def _redeliver(self) -> None:
         """Re-send the backlog's Aborts: the oldest first, as a probe; once it got an answer,
@@ -484,34 +462,31 @@ class StreamSupervisor:
         finds it back) and probe again."""
         pause = REDELIVER_FIRST_PAUSE
         while True:
-            await self.backlog.wait_nonempty()
+            await self.aborts.wait_parked()
             await self.engine_reachable.wait_open()
-            oldest = self.backlog.oldest()
+            oldest = self.aborts.oldest_parked()
             if oldest is not None and not await self._deliver_kept(oldest):
-                await self.backlog.pause(min(pause * random.uniform(0.5, 1.5), REDELIVER_MAX_PAUSE))
+                await self.aborts.pause(min(pause * random.uniform(0.5, 1.5), REDELIVER_MAX_PAUSE))
                 pause = min(pause * 2, REDELIVER_MAX_PAUSE)
                 continue
             pause = REDELIVER_FIRST_PAUSE
             async with trio.open_nursery() as nursery:
-                for request_id in self.backlog.ids():
+                for request_id in self.aborts.backlog():
                     nursery.start_soon(self._deliver_kept, request_id)
 
     async def _deliver_kept(self, request_id: str) -> bool:
         """One attempt for a kept Abort; True when it is done with (answered, or failed for
         good), False when the engine is still out of reach."""
         async with self._abort_slots:
-            if request_id not in self.backlog or request_id in self._probing:
+            if not self.aborts.take(request_id):
                 return True  # dropped, delivered by another round, or being sent now
-            self._probing.add(request_id)
+            done = False
             try:
-                if await self._attempt(request_id) is not _Try.DONE:
-                    return False
-                self.backlog.discard(request_id)
-                return True
+                done = await self._attempt(request_id) is _Try.DONE
+                return done
             finally:
-                self._probing.discard(request_id)
-                if request_id not in self.backlog:  # done with, or dropped while it was sent
-                    self._done_with(request_id)
+                if self.aborts.redelivered(request_id, done=done):
+                    self._start_confirm(request_id)
 
     async def _first_attempt(self, request_id: str, answered: trio.Event) -> tuple[bool, bool, bool]:
         """One Abort attempt (a slot, then the call, each within ``abort_timeout``); sets
@@ -552,16 +527,14 @@ class StreamSupervisor:
             resp = await self.engine.abort(pb.AbortRequest(request_id=request_id))
         except EngineStatusError as err:
             if err.status == "NOT_FOUND":
-                self.backlog.answered()
-                if request_id in self._unanswered:
-                    self._not_found.add(request_id)
+                self.aborts.answered_not_found(request_id)
                 return "not_found"
             if err.retryable:
                 raise _RetryableAbort(answered=True) from err
             raise
         except EngineUnavailable as err:
             raise _RetryableAbort(answered=False) from err
-        self.backlog.answered()
+        self.aborts.answered()
         if resp.status == pb.AbortStatus.ALREADY_FINISHED:
             return "already_finished"
         return "aborted"
@@ -598,13 +571,13 @@ class StreamSupervisor:
             if result is _Try.DONE:
                 return False
             unreachable = result is _Try.NO_ANSWER
-        if self.backlog.cap and unreachable:
+        if self.aborts.cap and unreachable:
             log.info(
                 "abort of %s undelivered after %.0fs; kept to be re-sent when the engine answers",
                 quote(request_id),
                 self.config.abort_retry_window,
             )
-            self._park(request_id)
+            self.aborts.park(request_id)
             return True
         metrics.child(metrics.ABORTS, "failed").inc()
         log.warning("abort of %s gave up after %.0fs", quote(request_id), self.config.abort_retry_window)
@@ -645,7 +618,7 @@ class _Relay:
         self.emit = emit
         self.config = config
         self.progress = progress
-        self.stream: Any = None
+        self.stream: EngineStream[pb.GenerateResponse] | None = None
         self.outcome: Outcome | None = None
         self.refused = False
         self._events_seen = -1  # the engine-wide event count at this stream's last event
@@ -672,8 +645,9 @@ class _Relay:
                     await self._pump(stream, idle, cfg.inactivity_timeout)
                 except EngineTerminalError as err:
                     self.outcome = Outcome(FAILED, err.code, err.message, err.retryable)
-                    with trio.move_on_after(self.config.error_emit_timeout):
-                        await self.emit(err.event)  # type: ignore[arg-type]
+                    if isinstance(err.event, pb.GenerateResponse):
+                        with trio.move_on_after(self.config.error_emit_timeout):
+                            await self.emit(err.event)
                     return
                 except (EngineStatusError, EngineUnavailable) as err:
                     before = stream.messages == 0
@@ -696,7 +670,9 @@ class _Relay:
         elif not h.scope.cancel_called:
             self.outcome = OUTCOME_COMPLETED
 
-    async def _pump(self, stream: Any, idle: trio.CancelScope, timeout: float) -> None:
+    async def _pump(
+        self, stream: EngineStream[pb.GenerateResponse], idle: trio.CancelScope, timeout: float
+    ) -> None:
         """Relay every event to ``emit``. Per token only a few integer operations: tokens are
         added to ``TOKENS`` in bulk (every ``TOKENS_FLUSH`` and at the end), ``TTFT`` once,
         ``ITL`` on a sample (the first gap, then one in ``ITL_SAMPLE``).

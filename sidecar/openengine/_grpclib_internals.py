@@ -61,4 +61,8 @@ def missing_internals() -> list[str]:
         (grpclib.protocol, "H2Connection"),
         (H2Connection, "DEFAULT_MAX_HEADER_LIST_SIZE"),
     ]
-    return [f"{getattr(owner, '__name__', type(owner).__name__)}.{name}" for owner, name in wanted if not hasattr(owner, name)]
+    return [
+        f"{getattr(owner, '__name__', type(owner).__name__)}.{name}"
+        for owner, name in wanted
+        if not hasattr(owner, name)
+    ]

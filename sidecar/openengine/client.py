@@ -52,7 +52,15 @@ from sidecar.openengine.stream_rules import DrainRules, GenerateRules, KvEventRu
 from sidecar.openengine.trio_h2 import Call, Keepalive
 from sidecar.openengine.trio_pool import ConnectionOptions, ConnectionPool
 
-__all__ = ["CallLike", "EngineClient", "EngineStream", "Keepalive", "MessageDecoder", "MetadataLike", "open_engine_client"]
+__all__ = [
+    "CallLike",
+    "EngineClient",
+    "EngineStream",
+    "Keepalive",
+    "MessageDecoder",
+    "MetadataLike",
+    "open_engine_client",
+]
 
 MetadataLike = Mapping[str, str] | Collection[tuple[str, str]]
 T = TypeVar("T")

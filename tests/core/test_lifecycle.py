@@ -10,6 +10,7 @@ import pytest
 import trio
 import trio_asyncio
 
+from sidecar.core.abort_ledger import AbortState
 from sidecar.core.errors import Rejection
 from sidecar.core.handoff import parse_kv_session
 from sidecar.core.lifecycle import (
@@ -162,7 +163,7 @@ class SlowSink(Sink):
 
 
 async def test_inactivity_timeout_counts_waits_for_the_engine_not_a_slow_client(
-    server: RunningServer
+    server: RunningServer,
 ) -> None:
     """Events that arrived together, each taking the client longer than the inactivity timeout
     to take: the stream completes (the relay lifts the deadline while it relays, and sets it
@@ -282,9 +283,7 @@ async def test_abort_idempotent_answers_count_as_done(
     with trio.fail_after(5):
         await supervisor.abort("rY")
     assert calls == ["rY"]
-    assert (
-        supervisor._retry_nursery is not None and not supervisor._retry_nursery.child_tasks
-    )  # no retry queued
+    assert "rY" not in supervisor.aborts  # answered: no retry queued
 
 
 async def test_admission_gates(supervisor: StreamSupervisor) -> None:
@@ -452,8 +451,7 @@ async def test_an_id_still_being_aborted_is_not_admitted_again(
             supervisor.admit(request("again"))
         assert busy.value.code == pb.ErrorCode.DUPLICATE_REQUEST and busy.value.retryable
         release.set()
-        while "again" in supervisor._aborting:  # noqa: ASYNC110 - the retrier runs on its own schedule
-            await trio.sleep(0.01)
+        await eventually(lambda: "again" not in supervisor.aborts)
     supervisor.admit(request("again"))
 
 
@@ -512,7 +510,8 @@ async def test_a_not_found_abort_of_a_stream_the_engine_sent_nothing_on_is_confi
             with pytest.raises(Rejection) as busy:  # a confirmation must not end a new "late"
                 sup.admit(request("late"))
             assert busy.value.code == pb.ErrorCode.DUPLICATE_REQUEST and busy.value.retryable
-            await eventually(lambda: "late" not in sup._aborting)
+            assert sup.aborts.state("late") is AbortState.CONFIRMING
+            await eventually(lambda: "late" not in sup.aborts)
         assert calls == ["late"] * 3  # the third confirmation was not needed
         assert _confirmations("aborted") == found_before + 1
         sup.admit(request("late"))
@@ -538,10 +537,10 @@ async def test_a_not_found_abort_is_confirmed_only_while_the_engine_may_not_have
         with trio.fail_after(5):
             await _cancel_silent_stream(server, sup, "answered", tokens_first=1)
             assert calls == ["answered"]
-            assert "answered" not in sup._aborting  # done: nothing to confirm
+            assert "answered" not in sup.aborts  # done: nothing to confirm
             server.engine.seen.clear()
             await _cancel_silent_stream(server, sup, "silent")
-            await eventually(lambda: "silent" not in sup._aborting)
+            await eventually(lambda: "silent" not in sup.aborts)
         assert calls == ["answered", "silent", "silent", "silent"]
-        assert not sup._unanswered and not sup._not_found
+        assert len(sup.aborts) == 0
         nursery.cancel_scope.cancel()

@@ -373,3 +373,49 @@ async def test_engine_watch_refuses_a_changed_engine(autojump_clock: Any) -> Non
         await trio.sleep(60)  # and stays refused
         assert sidecar.not_ready_reason() == reason
         nursery.cancel_scope.cancel()
+
+
+async def test_a_stream_ending_after_the_service_stopped_still_gets_its_abort(autojump_clock: Any) -> None:
+    """At the stop deadline the supervisor's service may stop before a stream reaches its
+    ``finally``: the stream's Abort is then sent directly (bounded), not handed to a closed
+    nursery (that raised "Nursery is closed to new arrivals" and no Abort was sent)."""
+    client = FakeEngine(vllm_info(), script=tokens_every(1.0, -1))
+    sidecar = sidecar_with(client)
+    await sidecar.startup()
+    async with trio.open_nursery() as streams:
+        with trio.CancelScope() as service:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(sidecar.supervisor.run_service)
+                outcomes = await run_streams(sidecar, streams, "late")
+                service.cancel()
+        assert sidecar.supervisor._retry_nursery is None
+        t0 = trio.current_time()
+        sidecar.supervisor.cancel_all(Outcome(CANCELLED, pb.ErrorCode.CANCELLED, "stopping"))
+    assert trio.current_time() - t0 <= ABORT
+    assert outcomes["late"].kind == CANCELLED
+    assert [c for c in client.calls if c.startswith("Abort")] == ["Abort:late"]
+    assert len(sidecar.supervisor.aborts) == 0
+
+
+async def test_a_first_abort_attempt_under_way_is_finished_when_the_service_stops(
+    autojump_clock: Any,
+) -> None:
+    """The service stopping while a stream's first Abort attempt waits for the engine's answer
+    does not cut that attempt short: it is answered (counted ``aborted``), within its bound."""
+    client = FakeEngine(vllm_info(), script=tokens_every(1.0, -1))
+    client.abort_delay = ABORT / 2
+    sidecar = sidecar_with(client)
+    await sidecar.startup()
+    aborted0 = metrics.child(metrics.ABORTS, "aborted")._value.get()
+    async with trio.open_nursery() as streams:
+        with trio.CancelScope() as service:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(sidecar.supervisor.run_service)
+                await run_streams(sidecar, streams, "r")
+                sidecar.supervisor.cancel_all(Outcome(CANCELLED, pb.ErrorCode.CANCELLED, "stopping"))
+                await trio.sleep(ABORT / 4)  # the Abort is at the engine now
+                assert client.calls[-1] == "Abort:r"
+                service.cancel()
+        took = trio.current_time()
+    assert metrics.child(metrics.ABORTS, "aborted")._value.get() - aborted0 == 1
+    assert took <= 2 * ABORT

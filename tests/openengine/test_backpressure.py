@@ -29,9 +29,7 @@ def req(request_id: str) -> pb.GenerateRequest:
     return pb.GenerateRequest(request_id=request_id, model="m", prompt="hi")
 
 
-async def test_a_caller_that_stops_reading_stalls_only_its_own_stream(
-    server: RunningServer
-) -> None:
+async def test_a_caller_that_stops_reading_stalls_only_its_own_stream(server: RunningServer) -> None:
     pulled: list[int] = []
     stalled = asyncio.Event()
 

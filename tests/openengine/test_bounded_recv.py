@@ -28,12 +28,16 @@ async def client(server: RunningServer) -> AsyncIterator[EngineClient]:
 
 
 def wrap_parse(
-    monkeypatch: pytest.MonkeyPatch, types: tuple[type, ...], wrapper: Callable[[Callable[[bytes], Any], bytes], Any]
+    monkeypatch: pytest.MonkeyPatch,
+    types: tuple[type, ...],
+    wrapper: Callable[[Callable[[bytes], Any], bytes], Any],
 ) -> None:
     """Route each message type's ``parse`` (what the client decodes with) through ``wrapper``."""
     for message_type in types:
         parse = message_type.parse  # type: ignore[attr-defined]
-        monkeypatch.setattr(message_type, "parse", staticmethod(lambda data, parse=parse: wrapper(parse, data)))
+        monkeypatch.setattr(
+            message_type, "parse", staticmethod(lambda data, parse=parse: wrapper(parse, data))
+        )
 
 
 def batch(seq: int, tokens: int) -> pb.SubscribeKvEventsResponse:

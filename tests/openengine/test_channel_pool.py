@@ -106,8 +106,7 @@ async def test_per_channel_cap_is_respected(server: RunningServer) -> None:
             assert len(server.transports) == 2 + 2  # four generate connections were ever made
 
 
-async def test_peer_limit_below_our_cap(server: RunningServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_peer_limit_below_our_cap(server: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """A server advertising 5 streams per connection: 23 streams in one burst all reach it."""
 
     class NarrowH2Connection(H2Connection):
@@ -120,9 +119,7 @@ async def test_peer_limit_below_our_cap(server: RunningServer, monkeypatch: pyte
     monkeypatch.setattr(grpclib.protocol, "H2Connection", NarrowH2Connection)
     stalled(server)
     with trio.fail_after(10):
-        async with open_engine_client(
-            server.address, generate_channels=1, idle_channel_close=0
-        ) as client:
+        async with open_engine_client(server.address, generate_channels=1, idle_channel_close=0) as client:
             opened = trio.Semaphore(0)
             async with trio.open_nursery() as nursery:
                 for i in range(23):
@@ -314,9 +311,7 @@ async def test_a_connection_out_of_stream_ids_takes_no_new_stream(server: Runnin
     new connection (it failed with EngineUnavailable, and so did every later one)."""
     server.engine.streams["Generate"] = lambda r, md: tokens(r.request_id, 1)
     with trio.fail_after(10):
-        async with open_engine_client(
-            server.address, generate_channels=1, idle_channel_close=0
-        ) as client:
+        async with open_engine_client(server.address, generate_channels=1, idle_channel_close=0) as client:
             async with client.generate(req("r0")) as stream:
                 assert len([e async for e in stream]) == 2
             (conn,) = generate_pool(client).connections()

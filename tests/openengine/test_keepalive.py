@@ -52,15 +52,12 @@ def liveness_of(client: Any) -> Any:
     return conn
 
 
-async def test_a_peer_that_stops_answering_is_closed_and_its_stream_fails(server: RunningServer
-) -> None:
+async def test_a_peer_that_stops_answering_is_closed_and_its_stream_fails(server: RunningServer) -> None:
     stalled(server)
     dead: list[int] = []
     keepalive = Keepalive(INTERVAL, TIMEOUT, lambda: dead.append(1))
     with trio.fail_after(10):
-        async with open_engine_client(
-            server.address, generate_channels=1, keepalive=keepalive
-        ) as client:
+        async with open_engine_client(server.address, generate_channels=1, keepalive=keepalive) as client:
             async with client.generate(request("r1")) as stream:
                 await stream.__anext__()  # the first token: the stream is open and healthy
                 await pause_server_reading(server, True)  # the peer hangs
@@ -83,8 +80,7 @@ async def test_a_peer_that_stops_answering_is_closed_and_its_stream_fails(server
                 assert len([e async for e in again]) == 3
 
 
-async def test_a_live_silent_peer_gets_two_pings_and_keeps_its_stream(server: RunningServer
-) -> None:
+async def test_a_live_silent_peer_gets_two_pings_and_keeps_its_stream(server: RunningServer) -> None:
     """A long prefill: the engine answers PINGs but sends no data. Two PINGs, then none until
     it sends data again (gRPC servers answer a third with GOAWAY too_many_pings); a probe
     sends one more whatever the count."""

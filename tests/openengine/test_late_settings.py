@@ -74,9 +74,7 @@ class LateEngine:
                 await stream.send_all(conn.data_to_send())
 
 
-async def test_streams_before_the_engines_settings_stay_within_its_default_limit(
-    aio_loop: Any
-) -> None:
+async def test_streams_before_the_engines_settings_stay_within_its_default_limit(aio_loop: Any) -> None:
     engine = LateEngine()
     failed: list[str] = []
 

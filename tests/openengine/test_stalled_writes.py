@@ -139,9 +139,7 @@ async def reset_then_expect_every_call_ended(
 
 
 @pytest.mark.parametrize("mode", ["flow-control", "socket"])
-async def test_calls_waiting_to_send_end_when_the_connection_is_reset(
-    aio_loop: Any, mode: str
-) -> None:
+async def test_calls_waiting_to_send_end_when_the_connection_is_reset(aio_loop: Any, mode: str) -> None:
     prompt = "x" * (SMALL_PROMPT if mode == "flow-control" else BIG_PROMPT)
     outcomes: dict[int, BaseException | str] = {}
     all_ended = trio.Event()

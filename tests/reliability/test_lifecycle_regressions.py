@@ -11,9 +11,7 @@ from sidecar.openengine.client import open_engine_client
 from tests.openengine.fake_grpc_engine import Gate, RunningServer, tokens
 
 
-async def test_client_gone_raised_inside_a_cancelled_connection_is_contained(
-    server: RunningServer
-) -> None:
+async def test_client_gone_raised_inside_a_cancelled_connection_is_contained(server: RunningServer) -> None:
     """The WebSocket plane, on a client stalled past --stall-timeout, cancels the whole
     connection's scope and then raises ClientGone from ``emit``. The upstream stream's helper
     task is cancelled at the same moment, so ClientGone reaches the supervisor inside an

@@ -1,4 +1,4 @@
-"""Undelivered Aborts (sidecar/core/abort_backlog.py) against a real grpclib engine over
+"""Undelivered Aborts (sidecar/core/abort_ledger.py, sidecar/core/lifecycle.py) against a real grpclib engine over
 loopback: kept after the retry window, bounded (the oldest dropped, counted, its id free
 again), re-sent once the engine answers, held while the engine watch says it is lost."""
 
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import trio
 
-from sidecar.core.abort_backlog import REDELIVER_MAX_PAUSE
+from sidecar.core.abort_ledger import REDELIVER_MAX_PAUSE
 from sidecar.core.errors import Rejection
 from sidecar.core.lifecycle import LifecycleConfig, StreamSupervisor
 from sidecar.metrics import REGISTRY
@@ -74,25 +74,25 @@ async def test_kept_bounded_oldest_dropped_then_resent(
     with trio.fail_after(25):
         for rid in ("a", "b", "c"):
             await supervisor.abort(rid)
-            await eventually(lambda rid=rid: rid in supervisor.backlog)  # type: ignore[misc]
-        assert supervisor.backlog.ids() == ["b", "c"]
+            await eventually(lambda rid=rid: rid in supervisor.aborts.backlog())  # type: ignore[misc]
+        assert supervisor.aborts.backlog() == ["b", "c"]
         assert sample("openengine_sidecar_aborts_total", result="dropped") - dropped0 == 1
         assert sample("openengine_sidecar_aborts_parked_total") - parked0 == 3
         assert sample("openengine_sidecar_aborts_undelivered") == 2
         # dropped: its id is free again (once a re-send of it that may be in flight is over)
-        await eventually(lambda: "a" not in supervisor._aborting, timeout=2)
+        await eventually(lambda: "a" not in supervisor.aborts, timeout=2)
         supervisor.admit(request("a"))
         with pytest.raises(Rejection) as owed:
             supervisor.admit(request("b"))  # still owed: a late Abort would end a new stream
         assert owed.value.code == pb.ErrorCode.DUPLICATE_REQUEST and owed.value.retryable
         engine.reachable()
-        await eventually(lambda: not len(supervisor.backlog), timeout=REDELIVER_MAX_PAUSE + 5)
+        await eventually(lambda: not supervisor.aborts.backlog(), timeout=REDELIVER_MAX_PAUSE + 5)
     # each first attempt got no answer: what delivered them is a later call, made from the backlog
     assert engine.calls.count("b") >= 2 and engine.calls.count("c") >= 2, engine.calls
     # b and c; a too when a re-send of it was under way as it was dropped (then answered)
     assert sample("openengine_sidecar_aborts_total", result="aborted") - aborted0 in (2, 3)
     assert sample("openengine_sidecar_aborts_undelivered") == 0
-    assert not supervisor._aborting - {"a"}  # "a" is the admitted stream's id now
+    assert len(supervisor.aborts) == 0  # "a" is the admitted stream's id now
     supervisor.admit(request("b"))
 
 
@@ -103,13 +103,13 @@ async def test_nothing_sent_while_the_engine_is_lost_and_sent_when_found_back(
     with trio.fail_after(10):
         supervisor.engine_reachable.close()  # the engine watch: lost
         await supervisor.abort("x")  # the immediate attempt is made (and fails): kept
-        await eventually(lambda: "x" in supervisor.backlog)
+        await eventually(lambda: "x" in supervisor.aborts.backlog())
         engine.reachable()
         await trio.sleep(6)  # longer than any re-delivery pause (what is proved: nothing sent)
-        assert engine.calls == ["x"] and "x" in supervisor.backlog
+        assert engine.calls == ["x"] and "x" in supervisor.aborts.backlog()
         t0 = trio.current_time()
         supervisor.engine_reachable.open()  # found back: re-sent at once, no pause
-        await eventually(lambda: "x" not in supervisor.backlog)
+        await eventually(lambda: "x" not in supervisor.aborts.backlog())
         assert trio.current_time() - t0 < 1.0
     assert engine.calls == ["x", "x"]
 
@@ -129,6 +129,6 @@ async def test_an_engine_that_answers_but_refuses_is_given_up_on(
     failed0 = sample("openengine_sidecar_aborts_total", result="failed")
     with trio.fail_after(5):
         await supervisor.abort("z")
-        await eventually(lambda: "z" not in supervisor._aborting)
-    assert calls == ["z"] and "z" not in supervisor.backlog
+        await eventually(lambda: "z" not in supervisor.aborts)
+    assert calls == ["z"] and "z" not in supervisor.aborts.backlog()
     assert sample("openengine_sidecar_aborts_total", result="failed") - failed0 == 1
