@@ -25,6 +25,7 @@ RANK: dict[str, int] = {
     "childproc": 0,
     "sdnotify": 0,
     "quoting": 0,
+    "json_types": 0,
     "loopwatch": 1,
     "openengine": 1,
     "version": 2,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Sequence
-from typing import Any, TextIO
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO, TypeVar
 
 import click
 import msgspec
@@ -22,13 +22,15 @@ EXIT_INTERRUPTED = 130
 
 _encode_json = msgspec.json.Encoder().encode
 
+F = TypeVar("F", bound=Callable[..., object])
 
-class SidecarUrl(click.ParamType):
+
+class SidecarUrl(click.ParamType[str]):
     """A sidecar's WebSocket URL (``ws://``/``wss://``; ``HOST:PORT`` means ``ws://HOST:PORT``)."""
 
     name = "url"
 
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> str:
         try:
             sidecar_url(str(value))
         except ValueError as err:
@@ -130,7 +132,7 @@ def _describe(error: wire.ErrorBody | None) -> str:
     return f"{error.code}: {error.message}{retry}"
 
 
-def client_options(command: str) -> Any:
+def client_options(command: str) -> Callable[[F], F]:
     """The flags ``generate`` and ``disagg`` share (each reading its own variables)."""
     option = command_option(command)
     decorators = [
@@ -154,7 +156,7 @@ def client_options(command: str) -> Any:
         ),
     ]
 
-    def apply(f: Any) -> Any:
+    def apply(f: F) -> F:
         for decorator in reversed(decorators):
             f = decorator(f)
         return f

@@ -26,6 +26,7 @@ from sidecar.core.handoff_profiles import ProfileChoice, effective_profile
 from sidecar.core.int64 import Int64, Uint64, json_decode, json_encoder, u64
 from sidecar.core.load import LoadSnapshot, LoadStatus, LoadTracker, RankLoad
 from sidecar.core.negotiation import NegotiatedRevision
+from sidecar.json_types import JSONObject
 from sidecar.openengine import pb
 from sidecar.openengine.revision import CLIENT_REVISION, OLDEST_SERVER_REVISION, SCHEMA_RELEASE
 from sidecar.version import source_commit
@@ -96,7 +97,7 @@ def _opt_str(s: str) -> str | None:
     return s if s else None
 
 
-def _struct_dict(s: pb.Struct | None) -> dict[str, Any] | None:
+def _struct_dict(s: pb.Struct | None) -> JSONObject | None:
     if s is None:
         return None
     d = s.to_dict()
@@ -104,7 +105,10 @@ def _struct_dict(s: pb.Struct | None) -> dict[str, Any] | None:
 
 
 class _Card(msgspec.Struct, kw_only=True, rename="camel"):
-    """Base of card structs: JSON field names in lowerCamelCase, like the rest of the north protocol."""
+    """Base of card structs: JSON field names in lowerCamelCase, like the rest of the north protocol.
+
+    An ``extra`` field (the engine's free-form ``Struct``, a JSON object) is left untyped: msgspec
+    cannot decode the recursive ``sidecar.json_types.JSONObject``."""
 
 
 # --------------------------------------------------------------------------- engine & schema

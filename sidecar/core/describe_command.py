@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
-from typing import Any
 
 import click
 import msgspec
@@ -83,7 +82,7 @@ async def describe_engine(
 # --------------------------------------------------------------------------- readable form
 
 
-def _v(value: Any) -> str:
+def _v(value: object) -> str:
     if value is None:
         return "unknown"
     if value is True:

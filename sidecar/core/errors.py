@@ -8,7 +8,7 @@ and carry a one-line, operator-readable reason as ``str(err)``.
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from sidecar.openengine import pb
 from sidecar.quoting import clip
@@ -69,7 +69,7 @@ class Rejection(Exception):
         """The same rejection as an OpenEngine ``EngineError`` message."""
         return pb.EngineError(code=self.code, message=self.message, retryable=self.retryable)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, str | bool]:
         """North-protocol error object ``{"code": "ERROR_CODE_…", "message": …, "retryable": …}``."""
         return {"code": self.code_name, "message": self.message, "retryable": self.retryable}
 

@@ -16,9 +16,11 @@ fields by itself; this module is for the Structs the sidecar builds.
 from __future__ import annotations
 
 import re
-from typing import Any, Final
+from typing import Final, TypeVar
 
 import msgspec
+
+from sidecar.json_types import JSONObject
 
 __all__ = [
     "INT64_PATTERN",
@@ -66,14 +68,14 @@ def i64(value: int | None) -> Int64 | None:
     return None if value is None else Int64(value)
 
 
-def enc_hook(obj: Any) -> Any:
+def enc_hook(obj: object) -> str:
     """msgspec ``enc_hook`` of every north encoder: 64-bit integers as decimal strings."""
     if type(obj) is Uint64 or type(obj) is Int64:  # msgspec encodes exact ints itself
         return int.__repr__(obj)
     raise NotImplementedError(f"cannot encode objects of type {type(obj).__name__}")
 
 
-def dec_hook(type_: type, obj: Any) -> Any:
+def dec_hook(type_: type, obj: object) -> int:
     """msgspec ``dec_hook``: a :class:`Uint64` / :class:`Int64` from a decimal string or a number."""
     if type_ is Uint64 or type_ is Int64:
         if type(obj) is str and _DIGITS.fullmatch(obj):
@@ -89,7 +91,7 @@ def dec_hook(type_: type, obj: Any) -> Any:
     raise NotImplementedError(f"cannot decode {type_!r}")
 
 
-def schema_hook(type_: type) -> dict[str, Any]:
+def schema_hook(type_: type) -> JSONObject:
     """msgspec ``schema_hook``: the JSON Schema of a :class:`Uint64` / :class:`Int64`."""
     if type_ is Uint64:
         return {"type": "string", "pattern": UINT64_PATTERN, "description": "uint64 as a decimal string"}
@@ -98,11 +100,13 @@ def schema_hook(type_: type) -> dict[str, Any]:
     raise NotImplementedError(f"no JSON Schema for {type_!r}")
 
 
+T = TypeVar("T")
+
 #: Encoders of north answers (JSON text / msgpack): use these, or pass :func:`enc_hook`.
 json_encoder: Final = msgspec.json.Encoder(enc_hook=enc_hook)
 msgpack_encoder: Final = msgspec.msgpack.Encoder(enc_hook=enc_hook)
 
 
-def json_decode(data: bytes | str, type_: Any) -> Any:
+def json_decode(data: bytes | str, type_: type[T]) -> T:
     """Decode a north answer (e.g. the worker card) into ``type_``, 64-bit strings included."""
     return msgspec.json.decode(data, type=type_, dec_hook=dec_hook)

@@ -13,12 +13,14 @@ per byte; the poller runs it in a worker thread when large, not at all beyond a 
 
 from __future__ import annotations
 
+from types import EllipsisType
 from typing import Any
 
 import msgspec
 
 from sidecar.core.int64 import Uint64, u64
 from sidecar.core.struct_wire import StructWireError, struct_to_dict
+from sidecar.json_types import JSONObject
 from sidecar.openengine import pb
 from sidecar.openengine.rawfields import WireError, without_field
 
@@ -57,7 +59,7 @@ def split_load_info(data: bytes) -> tuple[pb.LoadInfo, bytes | None]:
     return info, (b"".join(attrs) if attrs else None)
 
 
-def attributes_dict(raw: bytes | None) -> dict[str, Any] | None:
+def attributes_dict(raw: bytes | None) -> JSONObject | None:
     """The proto3 JSON form of raw ``Struct`` bytes (CPU-bound: run large ones in a thread).
     Raises :class:`MalformedLoadInfo`."""
     if raw is None:
@@ -72,7 +74,7 @@ class _LoadStruct(msgspec.Struct, kw_only=True, rename="camel"):
     """Base: lowerCamelCase JSON names, like the worker card."""
 
 
-def _struct_dict(s: pb.Struct | None) -> dict[str, Any] | None:
+def _struct_dict(s: pb.Struct | None) -> JSONObject | None:
     if s is None:
         return None
     d = s.to_dict()
@@ -104,10 +106,14 @@ class LoadSnapshot(_LoadStruct):
     prefill_batch_size: int | None
     decode_batch_size: int | None
     ranks: list[RankLoad]
+    #: The engine's free-form attributes (a JSON object); untyped for msgspec, which cannot
+    #: decode the recursive ``sidecar.json_types.JSONObject``.
     attributes: dict[str, Any] | None
 
     @classmethod
-    def from_pb(cls, info: pb.LoadInfo, *, attributes: Any = ...) -> LoadSnapshot:
+    def from_pb(
+        cls, info: pb.LoadInfo, *, attributes: JSONObject | EllipsisType | None = ...
+    ) -> LoadSnapshot:
         """``attributes``: the already converted attributes (default: convert ``info.attributes``)."""
         return cls(
             instance_id=info.instance_id,
@@ -165,7 +171,9 @@ class LoadTracker:
         self._consecutive = 0
         self._last_error: str | None = None
 
-    def record(self, info: pb.LoadInfo, *, now: float, attributes: Any = ...) -> None:
+    def record(
+        self, info: pb.LoadInfo, *, now: float, attributes: JSONObject | EllipsisType | None = ...
+    ) -> None:
         """Keep ``info`` as the latest snapshot (``attributes``: see :meth:`LoadSnapshot.from_pb`)."""
         self._snapshot = LoadSnapshot.from_pb(info, attributes=attributes)
         self._received_at = now

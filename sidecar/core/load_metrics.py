@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from prometheus_client import Gauge
 
 from sidecar.metrics import REGISTRY
@@ -23,7 +21,7 @@ KV_TOTAL = Gauge("openengine_engine_kv_blocks_total", "KV blocks per DP rank.", 
 
 def export(info: pb.LoadInfo) -> None:
     """Set the gauges from one snapshot: per rank when reported, else the totals as rank ``all``."""
-    rows: list[tuple[str, Any]] = [
+    rows: list[tuple[str, pb.RankLoadInfo | pb.LoadInfo]] = [
         (str(r.data_parallel_rank), r) for r in info.ranks if r.data_parallel_rank is not None
     ]
     if not rows:

@@ -13,7 +13,7 @@ Policy (every violation is ``ERROR_CODE_INVALID_ARGUMENT``; nothing reaches the 
   4 fields, trace-id and parent-id not all zeros). ``tracestate``: W3C list syntax,
   at most 32 members, unique keys, and only together with a ``traceparent``.
   Malformed trace context is rejected rather than dropped, so a client bug shows.
-- Any other ``openengine-*`` key is rejected (the prefix is reserved by the protocol).
+- Every other ``openengine-*`` key is rejected (the prefix is reserved by the protocol).
 - Application keys (any other well-formed key) are forwarded unchanged, as the schema
   allows ("Application-specific metadata may use other gRPC metadata keys"), unless
   ``allow_application_keys=False``. Never forwarded: ``grpc-*`` (gRPC's own), binary

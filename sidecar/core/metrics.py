@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeVar, cast
 
 from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 from sidecar.metrics import REGISTRY
 
@@ -116,16 +117,18 @@ LOAD_ATTRIBUTES_DROPPED = Counter(
     registry=REGISTRY,
 )
 
-_children: dict[tuple[int, tuple[str, ...]], Any] = {}
+M = TypeVar("M", bound=MetricWrapperBase)
+
+_children: dict[tuple[int, tuple[str, ...]], MetricWrapperBase] = {}
 
 
-def child(metric: Any, *values: str) -> Any:
+def child(metric: M, *values: str) -> M:
     """``metric.labels(*values)``, cached (``labels()`` costs a lock and a dict build per call)."""
     key = (id(metric), values)
     found = _children.get(key)
     if found is None:
         found = _children[key] = metric.labels(*values)
-    return found
+    return cast(M, found)  # the child of ``metric`` (its id is in the key): a metric of its class
 
 
 HTTP_FAILURES = Counter(

@@ -14,8 +14,8 @@ import logging
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
+import betterproto2
 import msgspec
 import trio
 
@@ -28,8 +28,9 @@ from sidecar.core.errors import DiscoveryError, Rejection
 from sidecar.core.handoff import KvSessionRelease, abort_kv_session_bytes
 from sidecar.core.health import SERVING_HEALTH, EngineState, HealthStatus, ask_engine, state_name
 from sidecar.core.lifecycle import CANCELLED, LifecycleConfig, Outcome, StreamHandle, StreamSupervisor
-from sidecar.core.load import MalformedLoadInfo, attributes_dict, split_load_info
+from sidecar.core.load import LoadStatus, MalformedLoadInfo, attributes_dict, split_load_info
 from sidecar.core.shutdown import stop_budget
+from sidecar.json_types import JSONObject
 from sidecar.openengine import pb
 from sidecar.openengine.client import EngineClient, Keepalive
 from sidecar.openengine.errors import EngineClientError, EngineStatusError
@@ -44,6 +45,17 @@ OUTCOME_SHUTDOWN = Outcome(CANCELLED, pb.ErrorCode.CANCELLED, "the sidecar is sh
 #: A ``GetLoad`` answer up to this size is parsed, and attributes up to it converted, on the
 #: event loop (a thread hop costs more); larger ones in a worker thread.
 _INLINE_LOAD_BYTES = 4096
+
+#: The body of a successful ``call`` (``sidecar.north.schema.CALL_RESULT_TYPES``).
+CallResult = (
+    WorkerCard
+    | LoadStatus
+    | HealthStatus
+    | pb.ListLorasResponse
+    | pb.LoadLoraResponse
+    | pb.UnloadLoraResponse
+    | pb.AbortResponse
+)
 
 
 @dataclass
@@ -244,15 +256,19 @@ class Sidecar:
             self._engine_lost.set()  # a transport failure: check the engine now, not at the next tick
         return outcome
 
-    async def call(self, method: str, request: Any, *, owner: object = None) -> Any:
+    async def call(
+        self, method: str, request: betterproto2.Message | KvSessionRelease | None, *, owner: object = None
+    ) -> CallResult:
         """A unary ``call`` of the north protocol; raises :class:`Rejection` on failure. Calls
-        that reach the engine take a slot of :attr:`lane` (``owner``'s share: its connection)."""
+        that reach the engine take a slot of :attr:`lane` (``owner``'s share: its connection).
+        ``request`` is of the method's type (``sidecar.north.codec.CALL_REQUEST_TYPES``)."""
         if method == "describe":
             card = self.current_card()
             if card is None:
                 raise Rejection(pb.ErrorCode.INTERNAL, "engine not discovered yet", True)
             return card
         if method == "load":
+            assert isinstance(request, pb.GetLoadRequest)
             status = self.load.status(now=trio.current_time())
             if not request.include_per_rank and status.snapshot is not None and status.snapshot.ranks:
                 # GetLoadRequest semantics: per-rank rows only when asked for
@@ -269,12 +285,15 @@ class Sidecar:
             )
             if request == pb.HealthRequest():  # nothing asked of the engine: the last check's view
                 return local
+            assert isinstance(request, pb.HealthRequest)
             with self.lane.slot(owner):
                 return await ask_engine(self.engine, self.card, request, local, self.config.call_timeout)
         if method in ("listLoras", "loadLora", "unloadLora"):
+            assert isinstance(request, pb.ListLorasRequest | pb.LoadLoraRequest | pb.UnloadLoraRequest)
             with self.lane.slot(owner):
                 return await self._lora_call(method, request)
         if method == "releaseKvSession":
+            assert isinstance(request, KvSessionRelease)
             with self.lane.slot(owner):
                 return await self._release_kv_session(request)
         raise Rejection(pb.ErrorCode.UNSUPPORTED_FEATURE, f"unknown call method {quote(method)}")
@@ -295,27 +314,32 @@ class Sidecar:
                 raise _call_rejection(err) from None
         raise Rejection(pb.ErrorCode.INTERNAL, "releaseKvSession: engine did not answer in time", True)
 
-    async def _lora_call(self, method: str, request: Any) -> Any:
-        """``listLoras`` / ``loadLora`` / ``unloadLora``: schema rules first (nothing reaches the
-        engine on a violation), then the engine, then the card's adapters are refreshed (so
-        served model names follow). Engine refusals become typed rejections (``_call_rejection``)."""
-        if method == "loadLora":
+    async def _lora_call(
+        self, method: str, request: pb.ListLorasRequest | pb.LoadLoraRequest | pb.UnloadLoraRequest
+    ) -> pb.ListLorasResponse | pb.LoadLoraResponse | pb.UnloadLoraResponse:
+        """``listLoras`` / ``loadLora`` / ``unloadLora`` (``request`` is of the method's type):
+        schema rules first (nothing reaches the engine on a violation), then the engine, then the
+        card's adapters are refreshed (so served model names follow). Engine refusals become
+        typed rejections (``_call_rejection``)."""
+        if isinstance(request, pb.LoadLoraRequest):
             _check_lora_adapter(request.adapter, self.config.lora_root)
-        elif method == "unloadLora" and not request.lora_name:
+        elif isinstance(request, pb.UnloadLoraRequest) and not request.lora_name:
             raise Rejection(pb.ErrorCode.INVALID_ARGUMENT, "loraName must not be empty")
         models = self.card.models if self.card is not None else []
         if models and all(m.supports_lora is False for m in models):
             raise Rejection(pb.ErrorCode.UNSUPPORTED_FEATURE, "this worker's models do not support LoRA")
         with trio.move_on_after(self.config.call_timeout) as scope:
             try:
-                if method == "listLoras":
+                if isinstance(request, pb.ListLorasRequest):
                     listed = await self.engine.list_loras()
                     if self.card is not None:
                         self.card = with_loras(self.card, listed.adapters)
                     return listed
-                if method == "loadLora":
+                if isinstance(request, pb.LoadLoraRequest):
                     try:
-                        reply: Any = await self.engine.load_lora(request)
+                        reply: pb.LoadLoraResponse | pb.UnloadLoraResponse = await self.engine.load_lora(
+                            request
+                        )
                     except EngineStatusError as err:
                         # the same (id, name, path) again is a success even from an engine that
                         # answers ALREADY_EXISTS (schema: idempotent); a real conflict stays one
@@ -500,7 +524,7 @@ class Sidecar:
                 with trio.fail_after(cfg.call_timeout):
                     data = await self.engine.get_load_bytes(include_per_rank=True)
                 info, raw = await run_sized(split_load_info, data, inline_max=_INLINE_LOAD_BYTES)
-                attributes: dict[str, Any] | None = None
+                attributes: JSONObject | None = None
                 if raw is not None and len(raw) > cfg.load_attributes_max_bytes:
                     metrics.LOAD_ATTRIBUTES_DROPPED.inc()
                     if not warned:

@@ -9,7 +9,8 @@ Used for ``GetLoad.attributes`` (sidecar/core/load.py). Raises :class:`StructWir
 from __future__ import annotations
 
 import struct
-from typing import Any
+
+from sidecar.json_types import JSONObject, JSONValue
 
 __all__ = ["StructWireError", "struct_to_dict"]
 
@@ -53,9 +54,9 @@ def _skip(data: bytes, pos: int, wire: int) -> int:
     raise StructWireError(f"unsupported wire type {wire}")
 
 
-def _value(data: bytes, pos: int, end: int, depth: int) -> Any:
+def _value(data: bytes, pos: int, end: int, depth: int) -> JSONValue:
     """A ``Value`` message in ``data[pos:end]`` (the last kind set wins, as in protobuf)."""
-    out: Any = None
+    out: JSONValue = None
     while pos < end:
         key, pos = _varint(data, pos)
         number, wire = key >> 3, key & 7
@@ -84,10 +85,10 @@ def _value(data: bytes, pos: int, end: int, depth: int) -> Any:
     return out
 
 
-def _struct(data: bytes, pos: int, end: int, depth: int) -> dict[str, Any]:
+def _struct(data: bytes, pos: int, end: int, depth: int) -> JSONObject:
     if depth > MAX_DEPTH:
         raise StructWireError("nested too deep")
-    out: dict[str, Any] = {}
+    out: JSONObject = {}
     while pos < end:
         key, pos = _varint(data, pos)
         if key != 0x0A:  # not field 1 (fields), length-delimited: unknown, skip
@@ -120,10 +121,10 @@ def _struct(data: bytes, pos: int, end: int, depth: int) -> dict[str, Any]:
     return out
 
 
-def _list(data: bytes, pos: int, end: int, depth: int) -> list[Any]:
+def _list(data: bytes, pos: int, end: int, depth: int) -> list[JSONValue]:
     if depth > MAX_DEPTH:
         raise StructWireError("nested too deep")
-    out: list[Any] = []
+    out: list[JSONValue] = []
     while pos < end:
         key, pos = _varint(data, pos)
         if key != 0x0A:
@@ -139,7 +140,7 @@ def _list(data: bytes, pos: int, end: int, depth: int) -> list[Any]:
     return out
 
 
-def struct_to_dict(data: bytes) -> dict[str, Any]:
+def struct_to_dict(data: bytes) -> JSONObject:
     """The proto3 JSON form of serialized ``Struct`` bytes (as ``pb.Struct.parse(data).to_dict()``)."""
     try:
         return _struct(data, 0, len(data), 0)

@@ -99,7 +99,8 @@ def _exception(item: _Raise) -> BaseException:
     except ImportError:  # pragma: no cover - only without the extra (unit tests)
         return RuntimeError(f"{item.kind}: {item.message}")
     cls = getattr(exceptions, item.kind, None) or exceptions.Unknown
-    return cls(item.message)  # type: ignore[no-any-return]
+    error: BaseException = cls(item.message)
+    return error
 
 
 class StreamBridge:

@@ -60,7 +60,8 @@ def _tokenizer_json() -> str:
         [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     )
     tokenizer.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in tok.SPECIALS])
-    return tokenizer.to_str(pretty=False)
+    text: str = tokenizer.to_str(pretty=False)
+    return text
 
 
 #: Qwen2-VL's image preprocessing as Dynamo's frontend reads it (``vision=True``).

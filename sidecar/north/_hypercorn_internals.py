@@ -24,7 +24,9 @@ from __future__ import annotations
 import inspect
 import logging
 import socket
-from typing import Any
+from collections.abc import Awaitable, Callable
+from types import ModuleType
+from typing import cast
 
 import h11
 import hypercorn.trio.run
@@ -36,7 +38,9 @@ from hypercorn.protocol import ProtocolWrapper
 from hypercorn.protocol.h11 import H2ProtocolAssumedError, H11Protocol
 from hypercorn.trio.run import worker_serve
 from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.typing import AppWrapper, ASGIFramework, ConnectionState, TaskGroup, WorkerContext
 from hypercorn.utils import wrap_app
+from starlette.types import ASGIApp
 
 from sidecar.core.metrics import HTTP_FAILURES
 from sidecar.north.http_connections import HttpConnections
@@ -93,7 +97,7 @@ def missing_internals() -> list[str]:
     return missing
 
 
-def _module(name: str) -> Any:
+def _module(name: str) -> ModuleType:
     return {"hypercorn.trio.tcp_server": hypercorn.trio.tcp_server, "hypercorn.trio.run": hypercorn.trio.run}[
         name
     ]
@@ -150,8 +154,20 @@ class Http11Only(H11Protocol):
 class GuardedProtocol(ProtocolWrapper):
     """One connection's protocol: HTTP/1.1 only; an exception closes this connection only."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        app: AppWrapper,
+        config: Config,
+        context: WorkerContext,
+        task_group: TaskGroup,
+        state: ConnectionState,
+        ssl: bool,
+        client: tuple[str, int] | None,
+        server: tuple[str, int] | None,
+        send: Callable[[Event], Awaitable[None]],
+        alpn_protocol: str | None = None,
+    ) -> None:
+        super().__init__(app, config, context, task_group, state, ssl, client, server, send, alpn_protocol)
         self.protocol = Http11Only(
             self.app,
             self.config,
@@ -188,9 +204,10 @@ def install() -> None:
     hypercorn.trio.run.TCPServer = CountedServer  # type: ignore[misc]
 
 
-def asgi_app(app: Any, config: Config) -> Any:
-    """``app`` wrapped as hypercorn's worker expects it."""
-    return wrap_app(app, config.wsgi_max_body_size, "asgi")
+def asgi_app(app: ASGIApp, config: Config) -> AppWrapper:
+    """``app`` wrapped as hypercorn's worker expects it. (The cast: Starlette and hypercorn type
+    the same ASGI messages differently, as mutable mappings and as TypedDicts.)"""
+    return wrap_app(cast(ASGIFramework, app), config.wsgi_max_body_size, "asgi")
 
 
 def duplicate_sockets(sockets: Sockets) -> Sockets:
@@ -204,7 +221,7 @@ def listening_sockets(sockets: Sockets) -> list[socket.socket]:
 
 
 async def run_worker(
-    asgi: Any,
+    asgi: AppWrapper,
     config: Config,
     sockets: Sockets,
     *,

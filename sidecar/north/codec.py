@@ -16,8 +16,8 @@ Errors: ``FrameDecodeError`` (not JSON / msgpack / UTF-8: close the socket with 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import betterproto2
 import msgspec
@@ -127,7 +127,7 @@ class CallCommand:
 
     call: str | int
     method: str
-    params: dict[str, Any]
+    params: dict[str, object]
     request: betterproto2.Message | KvSessionRelease | None
     encoding: Encoding
 
@@ -154,9 +154,11 @@ _msgpack_decoder = msgspec.msgpack.Decoder(wire.ClientMessage)
 
 
 class _Probe(msgspec.Struct):
-    type: Any = None
-    stream: Any = None
-    call: Any = None
+    """The fields that attribute a frame, whatever their types (checked by the caller)."""
+
+    type: object = None
+    stream: object = None
+    call: object = None
 
 
 _probe_json = msgspec.json.Decoder(_Probe)
@@ -227,22 +229,26 @@ def _generate_command(msg: wire.Generate, encoding: Encoding) -> GenerateCommand
     return GenerateCommand(stream, request, metadata, kv_bytes, encoding)
 
 
-def _kv_session_bytes(value: Any, **where: Any) -> bytes:
-    """``kvSessionBytes`` (base64, or msgpack bin) as bytes; ``where``: the ProtocolError's
-    ``stream=`` or ``call=``."""
+def _kv_session_bytes(
+    value: object, *, stream: str | int | None = None, call: str | int | None = None
+) -> bytes:
+    """``kvSessionBytes`` (base64, or msgpack bin) as bytes; ``stream`` / ``call``: the id the
+    ProtocolError names."""
     if isinstance(value, str):
         try:
             raw = decode_base64(value)
         except ValueError as err:
-            raise ProtocolError(f"kvSessionBytes: {err}", **where) from None
+            raise ProtocolError(f"kvSessionBytes: {err}", stream=stream, call=call) from None
     elif isinstance(value, bytes):
         raw = value
     else:
-        raise ProtocolError("kvSessionBytes must be base64 (or msgpack bin)", **where)
+        raise ProtocolError("kvSessionBytes must be base64 (or msgpack bin)", stream=stream, call=call)
     if not raw:
-        raise ProtocolError("kvSessionBytes is empty", **where)
+        raise ProtocolError("kvSessionBytes is empty", stream=stream, call=call)
     if len(raw) > wire.MAX_KV_SESSION_BYTES:
-        raise ProtocolError(f"kvSessionBytes exceeds {wire.MAX_KV_SESSION_BYTES} bytes", **where)
+        raise ProtocolError(
+            f"kvSessionBytes exceeds {wire.MAX_KV_SESSION_BYTES} bytes", stream=stream, call=call
+        )
     return raw
 
 
@@ -473,7 +479,7 @@ class EventEncoder:
         return self._prefix + _msgpack_encode(body)
 
 
-def coalesce_events(frames: list[str] | list[bytes], encoding: Encoding) -> str | bytes:
+def coalesce_events(frames: Sequence[str | bytes], encoding: Encoding) -> str | bytes:
     """Join already encoded ``event`` frames of one connection (all of ``encoding``) into one
     ``{"type":"events","items":[…]}`` frame -- only for a client that opted in (docs/PROTOCOL.md,
     "Coalesced events"). Costs a join, no re-encoding."""
@@ -511,7 +517,7 @@ def end_message(stream: str | int, outcome: str, error: wire.ErrorBody | None = 
     return wire.End(stream=stream, outcome=outcome, error=error)
 
 
-def _pb_to_json(value: Any) -> Any:
+def _pb_to_json(value: object) -> object:
     if isinstance(value, betterproto2.Message):
         return message_to_json(value)
     if isinstance(value, dict):
@@ -521,7 +527,7 @@ def _pb_to_json(value: Any) -> Any:
     return value
 
 
-def result_ok(call: str | int, body: Any) -> wire.Result:
+def result_ok(call: str | int, body: object) -> wire.Result:
     """A successful ``result``. pb messages in ``body`` (itself, or inside dicts and lists) become
     their proto3 JSON form; msgspec Structs encode as they are (do not nest pb messages in them:
     msgspec would encode those as plain dataclasses)."""

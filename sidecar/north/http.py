@@ -11,7 +11,7 @@ engine healthy and not draining; ``/v1/schema`` is the north protocol's JSON Sch
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -21,6 +21,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from sidecar.core import int64
+from sidecar.core.card import WorkerCard
+from sidecar.core.load import LoadTracker
 from sidecar.metrics import REGISTRY
 from sidecar.north.auth import bearer_matches
 from sidecar.north.schema import schema_json
@@ -33,19 +35,19 @@ class HttpHost(Protocol):
 
     def not_ready_reason(self) -> str | None: ...
 
-    def current_card(self) -> Any: ...
+    def current_card(self) -> WorkerCard | None: ...
 
     @property
     def draining(self) -> bool: ...
 
-    load: Any
+    load: LoadTracker
 
 
 #: A route's handler.
 Endpoint = Callable[[Request], Awaitable[Response]]
 
 
-def _json_response(body: Any, status: int = 200) -> Response:
+def _json_response(body: object, status: int = 200) -> Response:
     return Response(_json.encode(body), status_code=status, media_type="application/json")
 
 

@@ -30,9 +30,9 @@ import logging
 import socket
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 import trio
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sidecar.core.metrics import HTTP_FAILURES
 from sidecar.north._hypercorn_internals import (
@@ -69,13 +69,13 @@ class HttpLimits:
     max_connections_per_peer: int = 16
 
 
-def _limit_headers(app: Any, max_bytes: int) -> Any:
+def _limit_headers(app: ASGIApp, max_bytes: int) -> ASGIApp:
     """ASGI middleware: 431 for a request whose headers (as sent: ``name: value\\r\\n``) exceed ``max_bytes``.
 
     (h11's own bound only applies to a request still incomplete after one socket read.)
     """
 
-    async def limited(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def limited(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and sum(len(k) + len(v) + 4 for k, v in scope["headers"]) > max_bytes:
             await send({"type": "http.response.start", "status": 431, "headers": [(b"connection", b"close")]})
             await send({"type": "http.response.body", "body": b""})
@@ -102,7 +102,7 @@ def _config(bind: str, certfile: str | None, keyfile: str | None, limits: HttpLi
 
 
 async def serve_http(
-    app: Any,
+    app: ASGIApp,
     bind: str,
     *,
     certfile: str | None = None,

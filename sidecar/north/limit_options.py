@@ -25,7 +25,7 @@ from sidecar.north.http_server import HttpLimits
 from sidecar.north.ws_server import WsConfig
 from sidecar.openengine.message_limits import EngineLimits
 
-F = TypeVar("F", bound=Callable[..., Any])
+F = TypeVar("F", bound=Callable[..., object])
 
 _COUNT = click.IntRange(min=0)
 _ENGINE_BYTES = click.IntRange(min=64 * 1024)
@@ -121,7 +121,8 @@ def limit_options(f: F) -> F:
 
 def apply_limit_options(values: Mapping[str, Any], ws: WsConfig, config: SidecarConfig) -> None:
     """Set the limits of ``ws`` and ``config`` from a command's parsed flags (``config``'s
-    ``lifecycle.max_streams`` must be set already: the per-peer share is of it)."""
+    ``lifecycle.max_streams`` must be set already: the per-peer share is of it). ``values`` are
+    click's keyword arguments, untyped there: each has the type of its option's ``type=``."""
     max_streams = config.lifecycle.max_streams
     share = values["peer_stream_share"]
     ws.max_connections = values["max_connections"]

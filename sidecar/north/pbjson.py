@@ -25,11 +25,12 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import betterproto2
 from betterproto2 import casing
 
+from sidecar.json_types import JSONObject, JSONValue
 from sidecar.openengine import pb
 from sidecar.openengine._betterproto2_internals import Field
 from sidecar.openengine._betterproto2_internals import fields as message_fields
@@ -119,16 +120,20 @@ def decode_base64(value: str) -> bytes:
 
 # --- scalar readers: (value, path, depth) -> python value ------------------------------------------
 
-_Reader = Callable[[Any, str, int], Any]
+#: A reader checks a decoded value (anything a JSON or msgpack decoder returns) and converts it.
+_Reader = Callable[[object, str, int], object]
+#: A writer converts a field's value to its proto3 JSON form. Its parameter is left untyped: its
+#: type is the field's, different for each field, and each plan entry pairs a field with its writer.
+_Writer = Callable[[Any], JSONValue]
 
 
-def _read_string(value: Any, path: str, depth: int) -> str:
+def _read_string(value: object, path: str, depth: int) -> str:
     if type(value) is not str:
         raise _fail(path, f"expected a string, got {_kind(value)}")
     return value
 
 
-def _read_bool(value: Any, path: str, depth: int) -> bool:
+def _read_bool(value: object, path: str, depth: int) -> bool:
     if type(value) is not bool:
         raise _fail(path, f"expected a boolean, got {_kind(value)}")
     return value
@@ -137,7 +142,7 @@ def _read_bool(value: Any, path: str, depth: int) -> bool:
 def _int_reader(proto_type: str) -> _Reader:
     lo, hi = _INT_RANGES[proto_type]
 
-    def read(value: Any, path: str, depth: int) -> int:
+    def read(value: object, path: str, depth: int) -> int:
         if type(value) is int:
             result = value
         elif (type(value) is str and _INT_STRING.fullmatch(value)) or (
@@ -160,7 +165,7 @@ def _int_reader(proto_type: str) -> _Reader:
 def _float_reader(proto_type: str) -> _Reader:
     limit = _FLOAT32_MAX if proto_type == betterproto2.TYPE_FLOAT else math.inf
 
-    def read(value: Any, path: str, depth: int) -> float:
+    def read(value: object, path: str, depth: int) -> float:
         if type(value) is float or type(value) is int:
             result = float(value)
         elif type(value) is str:
@@ -182,7 +187,7 @@ def _float_reader(proto_type: str) -> _Reader:
     return read
 
 
-def _read_bytes(value: Any, path: str, depth: int) -> bytes:
+def _read_bytes(value: object, path: str, depth: int) -> bytes:
     if type(value) is str:
         try:
             return decode_base64(value)
@@ -196,7 +201,7 @@ def _read_bytes(value: Any, path: str, depth: int) -> bytes:
 def _enum_reader(enum_cls: type[betterproto2.Enum]) -> _Reader:
     by_name = {member.proto_name or member.name: member for member in enum_cls}
 
-    def read(value: Any, path: str, depth: int) -> betterproto2.Enum:
+    def read(value: object, path: str, depth: int) -> betterproto2.Enum:
         if type(value) is str:
             member = by_name.get(value)
             if member is None:
@@ -212,34 +217,33 @@ def _enum_reader(enum_cls: type[betterproto2.Enum]) -> _Reader:
 # --- google.protobuf.Struct / Value / ListValue ------------------------------------------------------
 
 
-def _to_value(value: Any, path: str, depth: int) -> pb.Value:
+def _to_value(value: object, path: str, depth: int) -> pb.Value:
     if depth > MAX_DEPTH:
         raise _fail(path, f"nested deeper than {MAX_DEPTH}")
     if value is None:
         return pb.Value(null_value=pb.NullValue.NULL_VALUE)
-    t = type(value)
-    if t is bool:
+    if type(value) is bool:
         return pb.Value(bool_value=value)
-    if t is int or t is float:
+    if type(value) is int or type(value) is float:
         if not math.isfinite(value):
             raise _fail(path, "Struct numbers must be finite")
         return pb.Value(number_value=float(value))
-    if t is str:
+    if type(value) is str:
         return pb.Value(string_value=value)
-    if t is list:
+    if type(value) is list:
         return pb.Value(list_value=_to_list_value(value, path, depth))
-    if t is dict:
+    if type(value) is dict:
         return pb.Value(struct_value=_to_struct(value, path, depth))
     raise _fail(path, f"{_kind(value)} is not a JSON value")
 
 
-def _to_list_value(value: Any, path: str, depth: int) -> pb.ListValue:
+def _to_list_value(value: object, path: str, depth: int) -> pb.ListValue:
     if type(value) is not list:
         raise _fail(path, f"expected an array, got {_kind(value)}")
     return pb.ListValue(values=[_to_value(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)])
 
 
-def _to_struct(value: Any, path: str, depth: int) -> pb.Struct:
+def _to_struct(value: object, path: str, depth: int) -> pb.Struct:
     if type(value) is not dict:
         raise _fail(path, f"expected an object, got {_kind(value)}")
     fields = {}
@@ -257,7 +261,7 @@ _WELL_KNOWN_READERS: dict[type, _Reader] = {
 }
 
 
-def _value_to_python(value: pb.Value) -> Any:
+def _value_to_python(value: pb.Value) -> JSONValue:
     if value.string_value is not None:
         return value.string_value
     if value.number_value is not None:
@@ -271,11 +275,11 @@ def _value_to_python(value: pb.Value) -> Any:
     return None
 
 
-def _struct_to_python(value: pb.Struct) -> dict[str, Any]:
+def _struct_to_python(value: pb.Struct) -> JSONObject:
     return {k: _value_to_python(v) for k, v in value.fields.items()}
 
 
-_WELL_KNOWN_WRITERS: dict[type, Callable[[Any], Any]] = {
+_WELL_KNOWN_WRITERS: dict[type, _Writer] = {
     pb.Struct: _struct_to_python,
     pb.Value: _value_to_python,
     pb.ListValue: lambda v: [_value_to_python(x) for x in v.values],
@@ -294,8 +298,8 @@ class _Field:
     presence: bool  # proto3 optional, oneof member or message: emitted when set, even if zero
     group: str | None
     read: _Reader  # one element (repeated) / one value
-    write: Callable[[Any], Any] | None  # None: value is JSON-ready as is
-    default: Any
+    write: _Writer | None  # None: value is JSON-ready as is
+    default: object
     map_key: _Reader | None = None
 
 
@@ -310,7 +314,7 @@ def _map_key_reader(proto_type: str) -> _Reader:
         return _read_string
     if proto_type == betterproto2.TYPE_BOOL:
 
-        def read_bool_key(value: Any, path: str, depth: int) -> bool:
+        def read_bool_key(value: object, path: str, depth: int) -> bool:
             if value == "true":
                 return True
             if value == "false":
@@ -350,7 +354,7 @@ class _Plan:
             self.by_key[attr.rstrip("_")] = entry
 
     @staticmethod
-    def _converters(f: Field) -> tuple[_Reader, Callable[[Any], Any] | None, _Reader | None]:
+    def _converters(f: Field) -> tuple[_Reader, _Writer | None, _Reader | None]:
         proto_type, field_cls = f.proto_type, f.cls
         if f.map_value is not None and f.map_key_type is not None:
             read, write, _ = _Plan._converters(f.map_value)
@@ -359,7 +363,7 @@ class _Plan:
             if field_cls in _WELL_KNOWN_READERS:
                 return _WELL_KNOWN_READERS[field_cls], _WELL_KNOWN_WRITERS[field_cls], None
 
-            def read_message(value: Any, path: str, depth: int) -> Any:
+            def read_message(value: object, path: str, depth: int) -> betterproto2.Message:
                 return _read_message(field_cls, value, path, depth + 1)
 
             return read_message, message_to_json, None
@@ -389,13 +393,13 @@ def _plan(cls: type[betterproto2.Message]) -> _Plan:
     return plan
 
 
-def _read_message(cls: type[M], value: Any, path: str, depth: int) -> M:
+def _read_message(cls: type[M], value: object, path: str, depth: int) -> M:
     if depth > MAX_DEPTH:
         raise _fail(path, f"nested deeper than {MAX_DEPTH}")
     if not isinstance(value, dict):
         raise _fail(path, f"expected an object, got {_kind(value)}")
     plan = _plan(cls)
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, object] = {}
     groups: dict[str, str] | None = None
     for key, item in value.items():
         field = plan.by_key.get(key) if type(key) is str else None
@@ -429,7 +433,7 @@ def _read_message(cls: type[M], value: Any, path: str, depth: int) -> M:
     return cls(**kwargs)
 
 
-def message_from_json(cls: type[M], value: Any, *, path: str = "") -> M:
+def message_from_json(cls: type[M], value: object, *, path: str = "") -> M:
     """Build a ``cls`` message from its proto3 JSON form (as decoded from JSON or msgpack).
 
     Unknown fields, ill-typed values, out-of-range numbers, unknown enum names, invalid
@@ -438,23 +442,27 @@ def message_from_json(cls: type[M], value: Any, *, path: str = "") -> M:
     """
     well_known = _WELL_KNOWN_READERS.get(cls)
     if well_known is not None:
-        return well_known(value, path, 0)  # type: ignore[no-any-return]
+        return cast(M, well_known(value, path, 0))  # the reader of cls builds a cls
     return _read_message(cls, value, path, 0)
 
 
-def message_to_json(msg: betterproto2.Message) -> dict[str, Any]:
+def message_to_json(msg: betterproto2.Message) -> JSONObject:
     """The proto3 JSON form of ``msg`` as plain Python values (ready for msgspec JSON or msgpack).
 
     Default values are omitted except where the field has presence (proto3 ``optional``,
     oneof members, messages); 64-bit integers become strings, enums their names (unknown
     numbers stay numbers), bytes base64, non-finite floats ``"NaN"``/``"Infinity"``.
-    Unknown fields are not representable in JSON and are dropped.
+    Unknown fields are not representable in JSON and are dropped. A ``Struct`` is its object;
+    a ``Value`` or ``ListValue`` (not an object) raises ``TypeError``: those are written as fields.
     """
     cls = type(msg)
     writer = _WELL_KNOWN_WRITERS.get(cls)
     if writer is not None:
-        return writer(msg)  # type: ignore[no-any-return]
-    out: dict[str, Any] = {}
+        written = writer(msg)
+        if not isinstance(written, dict):  # a Value or ListValue: write it as a field, not alone
+            raise TypeError(f"the proto3 JSON form of a {cls.__name__} is not an object")
+        return written
+    out: JSONObject = {}
     for field in _plan(cls).fields:
         value = getattr(msg, field.attr)
         if value is None:

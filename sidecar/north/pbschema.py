@@ -19,11 +19,12 @@ what the codec does. Each message has two definitions:
 
 from __future__ import annotations
 
-from typing import Any, Final, Literal
+from typing import Final, Literal
 
 import betterproto2
 from betterproto2 import casing
 
+from sidecar.json_types import JSONObject, JSONValue
 from sidecar.openengine import pb
 from sidecar.openengine._betterproto2_internals import fields as message_fields
 
@@ -54,8 +55,8 @@ _INPUT_DIGITS: Final = "^-?[0-9]+$"
 _INPUT_FLOAT: Final = r"^(NaN|-?Infinity|[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?)$"
 _BASE64_OUT: Final = "^[A-Za-z0-9+/]*={0,2}$"
 _BASE64_IN: Final = "^[A-Za-z0-9+/_-]*={0,2}$"
-_JSON_VALUE: Final[dict[str, Any]] = {}  # google.protobuf.Value: any JSON value
-_WELL_KNOWN: Final[dict[type, dict[str, Any]]] = {
+_JSON_VALUE: Final[JSONObject] = {}  # google.protobuf.Value: any JSON value
+_WELL_KNOWN: Final[dict[type, JSONObject]] = {
     pb.Struct: {"type": "object"},
     pb.Value: _JSON_VALUE,
     pb.ListValue: {"type": "array"},
@@ -68,7 +69,7 @@ def def_name(cls: type[betterproto2.Message], direction: Direction) -> str:
     return name if direction == "out" else f"input.{name}"
 
 
-def ref(cls: type[betterproto2.Message], direction: Direction) -> dict[str, Any]:
+def ref(cls: type[betterproto2.Message], direction: Direction) -> JSONObject:
     """``{"$ref": ...}`` to ``cls``'s definition (a well-known type inline)."""
     inline = _WELL_KNOWN.get(cls)
     if inline is not None:
@@ -76,19 +77,23 @@ def ref(cls: type[betterproto2.Message], direction: Direction) -> dict[str, Any]
     return {"$ref": DEFS + def_name(cls, direction)}
 
 
-def _enum(enum_cls: Any, direction: Direction) -> dict[str, Any]:
-    names = [m.proto_name or m.name for m in enum_cls]
+def _enum(enum_cls: type[betterproto2.Enum], direction: Direction) -> JSONObject:
+    names: list[JSONValue] = [m.proto_name or m.name for m in enum_cls]
     if direction == "out":  # a number this build does not know stays a number
         return {"anyOf": [{"enum": names}, {"type": "integer"}]}
     return {"anyOf": [{"enum": names}, {"type": "integer", "minimum": -(2**31), "maximum": 2**31 - 1}]}
 
 
-def _scalar(proto_type: str, field_cls: Any, direction: Direction, todo: list[type]) -> dict[str, Any]:
+def _scalar(
+    proto_type: str, field_cls: type, direction: Direction, todo: list[type[betterproto2.Message]]
+) -> JSONObject:
     if proto_type == betterproto2.TYPE_MESSAGE:
+        assert issubclass(field_cls, betterproto2.Message)
         if field_cls not in _WELL_KNOWN:
             todo.append(field_cls)
         return ref(field_cls, direction)
     if proto_type == betterproto2.TYPE_ENUM:
+        assert issubclass(field_cls, betterproto2.Enum)
         return _enum(field_cls, direction)
     if proto_type == betterproto2.TYPE_STRING:
         return {"type": "string"}
@@ -111,26 +116,28 @@ def _scalar(proto_type: str, field_cls: Any, direction: Direction, todo: list[ty
             return {"type": "string", "pattern": pattern, "description": f"{kind} as a decimal string"}
         return {"anyOf": [{"type": "integer"}, {"type": "string", "pattern": _INPUT_DIGITS}]}
     lo, hi = _INT_RANGES[proto_type]
-    number = {"type": "integer", "minimum": lo, "maximum": hi}
+    number: JSONObject = {"type": "integer", "minimum": lo, "maximum": hi}
     if direction == "out":
         return number
     return {"anyOf": [number, {"type": "string", "pattern": _INPUT_DIGITS}]}
 
 
-def _message(cls: type[betterproto2.Message], direction: Direction, todo: list[type]) -> dict[str, Any]:
-    properties: dict[str, Any] = {}
+def _message(
+    cls: type[betterproto2.Message], direction: Direction, todo: list[type[betterproto2.Message]]
+) -> JSONObject:
+    properties: JSONObject = {}
     groups: dict[str, list[str]] = {}
     for f in message_fields(cls):
         attr = f.name
         if f.map_value is not None:
             key_type = f.map_key_type
             value = _scalar(f.map_value.proto_type, f.map_value.cls, direction, todo)
-            keys: dict[str, Any] = {"type": "string"}
+            keys: JSONObject = {"type": "string"}
             if key_type in _INT_RANGES or key_type in _INT64:
                 keys["pattern"] = _INPUT_DIGITS
             elif key_type == betterproto2.TYPE_BOOL:
                 keys["enum"] = ["true", "false"]
-            schema: dict[str, Any] = {"type": "object", "propertyNames": keys, "additionalProperties": value}
+            schema: JSONObject = {"type": "object", "propertyNames": keys, "additionalProperties": value}
         else:
             schema = _scalar(f.proto_type, f.cls, direction, todo)
             if f.repeated:
@@ -142,14 +149,14 @@ def _message(cls: type[betterproto2.Message], direction: Direction, todo: list[t
             schema = {"anyOf": [schema, {"type": "null"}]}
             properties[attr.rstrip("_")] = schema
         properties[json_name] = schema
-    out: dict[str, Any] = {
+    out: JSONObject = {
         "title": cls.__name__,
         "type": "object",
         "properties": properties,
         "additionalProperties": False,
     }
     if direction == "out":
-        pairs = [
+        pairs: list[JSONValue] = [
             {"required": [a, b]}
             for members in groups.values()
             for i, a in enumerate(members)
@@ -160,11 +167,11 @@ def _message(cls: type[betterproto2.Message], direction: Direction, todo: list[t
     return out
 
 
-def definitions(roots: list[tuple[type[betterproto2.Message], Direction]]) -> dict[str, Any]:
+def definitions(roots: list[tuple[type[betterproto2.Message], Direction]]) -> JSONObject:
     """The ``$defs`` entries ``roots`` need: each root message and every message it contains."""
-    out: dict[str, Any] = {}
+    out: JSONObject = {}
     for root, direction in roots:
-        todo: list[type] = [root]
+        todo: list[type[betterproto2.Message]] = [root]
         while todo:
             cls = todo.pop()
             name = def_name(cls, direction)

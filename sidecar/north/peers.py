@@ -20,7 +20,6 @@ import ipaddress
 import logging
 import resource
 from dataclasses import dataclass
-from typing import Any
 
 import trio
 
@@ -60,7 +59,7 @@ class Peer:
 REFUSAL_LOG_INTERVAL = 10.0
 
 
-def peer_key(address: Any) -> str:
+def peer_key(address: object) -> str:
     """The peer an address counts against: its IP, an IPv6 one by /64 (``"?"`` when unknown)."""
     host = address[0] if isinstance(address, tuple) and address else None
     if not isinstance(host, str):

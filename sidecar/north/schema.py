@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 from functools import cache
-from typing import Any, Final
+from typing import Final
 
 import betterproto2
 import msgspec
@@ -32,6 +32,7 @@ from sidecar.core import int64
 from sidecar.core.card import LoadStatus, WorkerCard
 from sidecar.core.handoff import KvSessionRelease
 from sidecar.core.health import HealthStatus
+from sidecar.json_types import JSONObject, JSONValue
 from sidecar.north import codec, pbschema, wire
 from sidecar.openengine import pb
 
@@ -57,15 +58,21 @@ _CLIENT: Final = (wire.Generate, wire.Cancel, wire.Call)
 _SERVER: Final = (wire.Event, wire.Events, wire.End, wire.Result, wire.ProtocolErrorMessage)
 
 
-def _ref(name: str) -> dict[str, Any]:
+def _ref(name: str) -> JSONObject:
     return {"$ref": _REF.format(name=name)}
 
 
-def _substitute(node: Any) -> Any:
+def _object(node: JSONValue) -> JSONObject:
+    """``node``, which this module knows to be a JSON object (a schema)."""
+    assert isinstance(node, dict)
+    return node
+
+
+def _substitute(node: JSONValue) -> JSONValue:
     """Apply ``wire.SCHEMA_INSTEAD`` markers (a field whose schema is given, not derived)."""
     if isinstance(node, dict):
         if wire.SCHEMA_INSTEAD in node:
-            instead = dict(node[wire.SCHEMA_INSTEAD])
+            instead = dict(_object(node[wire.SCHEMA_INSTEAD]))
             if "default" in node:
                 instead["default"] = node["default"]
             return instead
@@ -75,7 +82,7 @@ def _substitute(node: Any) -> Any:
     return node
 
 
-def _params_schema(method: str) -> dict[str, Any]:
+def _params_schema(method: str) -> JSONObject:
     request_type = codec.CALL_REQUEST_TYPES[method]
     if request_type is None:
         return {"type": "object", "maxProperties": 0, "description": f"{method} takes no params"}
@@ -85,7 +92,7 @@ def _params_schema(method: str) -> dict[str, Any]:
     return pbschema.ref(request_type, "in")
 
 
-def _result_schema(method: str) -> dict[str, Any]:
+def _result_schema(method: str) -> JSONObject:
     body = CALL_RESULT_TYPES[method]
     if issubclass(body, betterproto2.Message):
         return pbschema.ref(body, "out")
@@ -93,9 +100,9 @@ def _result_schema(method: str) -> dict[str, Any]:
 
 
 @cache
-def build_schema() -> dict[str, Any]:
+def build_schema() -> JSONObject:
     """The north protocol's JSON Schema (a fresh copy is not made: do not modify it)."""
-    struct_types: list[Any] = [
+    struct_types: list[type[msgspec.Struct]] = [
         *_CLIENT,
         wire.ReleaseKvSessionParams,
         *_SERVER,
@@ -106,9 +113,10 @@ def build_schema() -> dict[str, Any]:
     _, components = msgspec.json.schema_components(
         struct_types, schema_hook=int64.schema_hook, ref_template=_REF
     )
-    defs: dict[str, Any] = _substitute(components)
+    defs = _object(_substitute(components))
     client_names = {t.__name__ for t in (*_CLIENT, wire.ReleaseKvSessionParams)}
-    for name, schema in defs.items():
+    for name, node in defs.items():
+        schema = _object(node)
         if name not in client_names and schema.get("type") == "object":
             schema.setdefault("additionalProperties", False)  # what this build sends, nothing else
 
@@ -128,17 +136,18 @@ def build_schema() -> dict[str, Any]:
     defs.update(pbschema.definitions(pb_roots))
 
     # a call's params are its method's request; a successful result has a body, a failed one an error
-    defs["Call"]["allOf"] = [
+    _object(defs["Call"])["allOf"] = [
         {
             "if": {"properties": {"method": {"const": method}}, "required": ["method"]},
             "then": {"properties": {"params": {"anyOf": [_ref(f"call.{method}.params"), {"type": "null"}]}}},
         }
         for method in wire.CALL_METHODS
     ]
-    defs["Result"]["properties"]["body"] = {"anyOf": [_ref(f"call.{m}.result") for m in wire.CALL_METHODS]}
-    defs["Result"]["if"] = {"properties": {"ok": {"const": True}}, "required": ["ok"]}
-    defs["Result"]["then"] = {"required": ["body"], "not": {"required": ["error"]}}
-    defs["Result"]["else"] = {"required": ["error"], "not": {"required": ["body"]}}
+    result = _object(defs["Result"])
+    _object(result["properties"])["body"] = {"anyOf": [_ref(f"call.{m}.result") for m in wire.CALL_METHODS]}
+    result["if"] = {"properties": {"ok": {"const": True}}, "required": ["ok"]}
+    result["then"] = {"required": ["body"], "not": {"required": ["error"]}}
+    result["else"] = {"required": ["error"], "not": {"required": ["body"]}}
     defs["ClientMessage"] = {"anyOf": [_ref(t.__name__) for t in _CLIENT]}
     defs["ServerMessage"] = {"anyOf": [_ref(t.__name__) for t in _SERVER]}
     return {

@@ -8,14 +8,22 @@ message of the same name: they are built from pb attributes on the per-token pat
 
 Client -> sidecar Structs forbid unknown fields (a typo must not be ignored);
 sidecar -> client Structs accept them (a newer sidecar may add some).
+
+A field carrying a free-form value (an embedded proto3 JSON message, ``kvSessionBytes``, a
+call's ``params`` and ``body``) is left untyped: msgspec decodes it as it comes (JSON values,
+and msgpack ``bin`` as bytes) and cannot decode into the recursive
+``sidecar.json_types.JSONValue``; the codec checks such values as ``object``
+(``sidecar.north.pbjson``).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Final
 
+import betterproto2
 import msgspec
 
+from sidecar.json_types import JSONObject, JSONValue
 from sidecar.north import pbschema
 from sidecar.openengine import pb
 
@@ -90,22 +98,22 @@ CALL_METHODS: Final = (
 SCHEMA_INSTEAD: Final = "x-schema-instead"
 
 
-def _schema(**extra: Any) -> msgspec.Meta:
+def _schema(**extra: JSONValue) -> msgspec.Meta:
     """Keywords added to the schema msgspec derives from the field's type."""
     return msgspec.Meta(extra_json_schema=extra)
 
 
-def _instead(schema: dict[str, Any]) -> msgspec.Meta:
+def _instead(schema: JSONObject) -> msgspec.Meta:
     """The field's schema is ``schema``, not the one derived from its Python type (which cannot
     say "a float, or one of these strings"); ``sidecar.north.schema`` substitutes it."""
     return msgspec.Meta(extra_json_schema={SCHEMA_INSTEAD: schema})
 
 
-def _names(enum_cls: Any) -> list[str]:
+def _names(enum_cls: type[betterproto2.Enum]) -> list[JSONValue]:
     return [m.proto_name or m.name for m in enum_cls]
 
 
-def _enum_or_number(enum_cls: Any) -> msgspec.Meta:
+def _enum_or_number(enum_cls: type[betterproto2.Enum]) -> msgspec.Meta:
     """An enum of the proto3 JSON form: its name, or a number this build does not know."""
     return _instead({"anyOf": [{"enum": _names(enum_cls)}, {"type": "integer"}]})
 

@@ -12,9 +12,9 @@ What this needs from trio-websocket beyond its public API lives in
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any
 
 import trio
 from trio_websocket import WebSocketRequest
@@ -33,7 +33,7 @@ async def serve(
     handler: Callable[[WebSocketRequest, Peer], Awaitable[None]],
     host: str | None,
     port: int,
-    ssl_context: Any = None,
+    ssl_context: ssl.SSLContext | None = None,
     *,
     max_message_size: int,
     message_queue_size: int,
@@ -49,7 +49,7 @@ async def serve(
     ``limits``: connections over them are refused at accept (``sidecar.north.peers``).
     Connections run in ``handler_nursery`` when given (they then outlive the listener:
     ``trio.serve_listeners``)."""
-    listeners: list[Any]
+    listeners: list[trio.abc.Listener[trio.abc.Stream]]
     if ssl_context is None:
         listeners = list(await trio.open_tcp_listeners(port, host=host))
     else:
@@ -93,7 +93,7 @@ async def serve(
         task_status.started(_port(listeners[0]))
 
 
-def _port(listener: Any) -> int:
+def _port(listener: trio.abc.Listener[trio.abc.Stream]) -> int:
     if isinstance(listener, trio.SSLListener):
         listener = listener.transport_listener
     assert isinstance(listener, trio.SocketListener)

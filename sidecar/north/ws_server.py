@@ -19,15 +19,18 @@ from __future__ import annotations
 
 import logging
 import math
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, NoReturn, Protocol
+from typing import NoReturn, Protocol
 
+import betterproto2
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest
 
 from sidecar.core import metrics
 from sidecar.core.errors import Rejection
+from sidecar.core.handoff import KvSessionRelease
 from sidecar.core.lifecycle import (
     OUTCOME_CLIENT_CANCELLED,
     OUTCOME_CLIENT_GONE,
@@ -36,7 +39,7 @@ from sidecar.core.lifecycle import (
     StreamHandle,
 )
 from sidecar.logs import log_context
-from sidecar.north import codec, ws_adapter
+from sidecar.north import codec, wire, ws_adapter
 from sidecar.north.auth import bearer_matches
 from sidecar.north.codec import Encoding
 from sidecar.north.peers import Peer, PeerLimits, fit_to_fd_limit
@@ -67,8 +70,10 @@ class StreamHost(Protocol):
         self, handle: StreamHandle, emit: Callable[[pb.GenerateResponse], Awaitable[None]]
     ) -> Outcome: ...
 
-    async def call(self, method: str, request: Any, *, owner: object = None) -> Any:
-        """A unary ``call``: returns the result body (dict or pb message) or raises Rejection.
+    async def call(
+        self, method: str, request: betterproto2.Message | KvSessionRelease | None, *, owner: object = None
+    ) -> object:
+        """A unary ``call``: returns the result body (a Struct or pb message) or raises Rejection.
         ``owner`` (the connection) is whose share of the engine call lane it uses."""
         ...
 
@@ -125,7 +130,7 @@ def coalesce_queued(frames: list[str | bytes], max_bytes: int = COALESCE_MAX) ->
     keeps its place: a final frame (:func:`final`) or a change of encoding ends a run, and a
     run of one stays as it was."""
     out: list[str | bytes] = []
-    run: list[Any] = []
+    run: list[str | bytes] = []
     run_type: type | None = None
     size = 0
 
@@ -367,7 +372,7 @@ class Connection:
             except codec.ProtocolError as err:
                 metrics.PROTOCOL_ERRORS.inc()
                 enc = Encoding.JSON if isinstance(frame, str) else Encoding.MSGPACK
-                reply: Any = codec.error_reply(err)
+                reply: wire.End | wire.Result | wire.ProtocolErrorMessage = codec.error_reply(err)
                 if err.stream is not None and err.stream in self.streams:
                     reply = codec.id_in_use(stream=err.stream)  # its end belongs to the open stream
                 elif err.call is not None and err.call in self.calls:
@@ -408,7 +413,7 @@ class Connection:
                 self._calls += 1
                 stream_nursery.start_soon(self._call, cmd)
 
-    async def _refuse_reused_id(self, reply: Any, encoding: Encoding) -> None:
+    async def _refuse_reused_id(self, reply: wire.ProtocolErrorMessage, encoding: Encoding) -> None:
         """A ``generate`` / ``call`` reusing an open id: ``protocol_error`` naming it (no ``end`` /
         ``result``, which would look like the open one's)."""
         metrics.PROTOCOL_ERRORS.inc()
@@ -475,7 +480,7 @@ class Connection:
         try:
             try:
                 body = await self.host.call(cmd.method, cmd.request, owner=self)
-                reply: Any = codec.result_ok(cmd.call, body)
+                reply = codec.result_ok(cmd.call, body)
             except Rejection as rejection:
                 reply = codec.result_error(
                     cmd.call, codec.error_body(rejection.code, rejection.message, rejection.retryable)
@@ -497,7 +502,9 @@ class NorthPlane:
     ``serve`` — the nursery that owns every connection — at its deadline.
     """
 
-    def __init__(self, host: StreamHost, config: WsConfig | None = None, *, ssl_context: Any = None) -> None:
+    def __init__(
+        self, host: StreamHost, config: WsConfig | None = None, *, ssl_context: ssl.SSLContext | None = None
+    ) -> None:
         self.host = host
         self.config = config or WsConfig()
         self.ssl_context = ssl_context

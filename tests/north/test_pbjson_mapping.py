@@ -187,6 +187,14 @@ def test_struct_round_trip_keeps_types() -> None:
     assert message_to_json(msg) == d
 
 
+def test_value_and_list_value_are_written_as_fields_only() -> None:
+    # their proto3 JSON form is not an object: message_to_json promises one
+    for msg in (pb.Value(string_value="x"), pb.ListValue(values=[pb.Value(number_value=1.0)])):
+        with pytest.raises(TypeError, match="not an object"):
+            message_to_json(msg)
+    assert message_to_json(pb.Struct(fields={"v": pb.Value(list_value=pb.ListValue())})) == {"v": []}
+
+
 def test_kv_session_ref_json() -> None:
     ref = pb.KvSessionRef(
         session_id="s",
