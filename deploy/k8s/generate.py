@@ -418,7 +418,7 @@ def dgd(engine: Engine, mode: str) -> list[dict[str, Any]]:
     for role in roles_of(mode):
         spec = pod_spec(engine, mode, role)
         main = spec["containers"][0]
-        # Serve through Dynamo too (issue 11's worker plane): the operator injects DYN_NAMESPACE.
+        # Serve through Dynamo too (the worker plane, docs/DYNAMO.md): the operator injects DYN_NAMESPACE.
         main["env"].append({"name": "OPENENGINE_SIDECAR_DYNAMO", "value": "true"})
         name = {"worker": "Worker", "prefill": "PrefillWorker", "decode": "DecodeWorker"}[role]
         # sharedMemorySize "0": no operator /dev/shm for `main`; the engine mounts its own (dshm).

@@ -149,7 +149,9 @@ def leaks(counters: dict[str, Any]) -> int:
 
 
 def goals(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 9's and issue 19's goals against the figures present (``met`` None when not measured)."""
+    """The benchmark's goals against the figures present (``met`` None when not measured): relay,
+    per-request, burst, latency, cancel, scale, KV and drain targets, the Dynamo fleet path, and two
+    stretch targets."""
     out: list[dict[str, Any]] = []
 
     def goal(name: str, value: float | None, target: str, ok: bool | None, unit: str = "") -> None:

@@ -4,7 +4,7 @@ Starts a fast-mode simulated engine and the sidecar as separate processes, drive
 with client worker processes, and compares with two anchors reading the same engine
 directly — the sidecar's own ``EngineClient`` and grpcio's asyncio API with the official
 protobuf runtime — in the same run, so ratios hold on a noisy machine. Prints progress,
-a results table and the goals of issue 9; writes every figure and the machine
+a results table and the goals table; writes every figure and the machine
 description as JSON (``--out``, by default under the git-ignored ``bench-results/``). Every flag
 also reads ``OPENENGINE_SIDECAR_BENCH_<FLAG>``.
 """

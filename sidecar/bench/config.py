@@ -1,4 +1,4 @@
-"""Sizes of every scenario: the full run (issue 9's figures) and ``--quick`` (seconds)."""
+"""Sizes of every scenario: the full run (the figures docs/PERFORMANCE.md reports) and ``--quick`` (seconds)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The scenarios of ``openengine-sidecar bench`` (issue 9), each returning a JSON-able dict.
+"""The scenarios of ``openengine-sidecar bench`` (docs/PERFORMANCE.md), each returning a JSON-able dict.
 
 One :class:`Bench` holds the run's engine and main sidecar; scenarios that must start
 from a fresh process (scale: RSS; drain: it ends the process) start their own sidecar

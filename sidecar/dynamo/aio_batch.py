@@ -7,8 +7,7 @@ N others waits N whole scheduler passes. Dynamo's runtime drives the worker's ha
 through several callbacks per chunk (its threads' ``call_soon_threadsafe`` to start each
 ``__anext__``, the task's steps, the done callback that hands the chunk back), so under load
 a request's first chunk queued behind every other stream's callbacks: with 16 streams the
-queue held ~20 callbacks and a callback from Dynamo's threads waited 10-19 ms at p90
-(docs/PERFORMANCE.md, optimisation 14).
+queue held ~20 callbacks and a callback from Dynamo's threads waited 10-19 ms at p90.
 
 :func:`batch_ready_callbacks` makes one loop take, after each callback it waited for, the
 callbacks queued at that moment (at most :data:`MAX_BATCH`) without a trio checkpoint in

@@ -1,4 +1,4 @@
-"""Simulated OpenEngine engines: TensorRT-LLM, vLLM and SGLang flavours (issue 3).
+"""Simulated OpenEngine engines: TensorRT-LLM, vLLM and SGLang flavours.
 
 asyncio programs built on the generated grpclib bases through
 :mod:`sidecar.openengine.server`. Start one with ``openengine-sidecar mock-engine``

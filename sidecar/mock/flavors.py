@@ -1,6 +1,6 @@
 """Per-flavour discovery of the simulated engines: ServerInfo, ModelInfo, connectors.
 
-The three flavours differ the way the real engines do (docs/design/engine-facts.md, issue 3):
+The three flavours differ the way the real engines do (docs/design/engine-facts.md):
 engine name and version, handoff profile and transfer backend, SGLang's client
 bootstrap, multimodal support, logprob and guided-decoding capabilities, and the
 request knobs each accepts. Behaviour elsewhere follows these tables, never a flavour

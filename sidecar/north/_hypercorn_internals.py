@@ -1,4 +1,4 @@
-"""Every use of hypercorn beyond its documented ``serve``, in one module (issue 17).
+"""Every use of hypercorn beyond its documented ``serve``, in one module.
 
 Hypercorn offers no switch for HTTP/2 cleartext, no per-connection error boundary and no
 connection limit, so the sidecar's HTTP listener (``sidecar.north.http_server``) runs hypercorn's

@@ -1,4 +1,4 @@
-"""Every use of trio-websocket's private names, in one module (issue 17): the sidecar's server
+"""Every use of trio-websocket's private names, in one module: the sidecar's server
 connection class and the accessors the batched writer needs. Nothing else in the sidecar names a
 trio-websocket internal; ``tests/north/test_trio_websocket_internals.py`` fails loudly when a
 release renames or drops one (:data:`PRIVATE_NAMES`, :func:`missing_internals`), and the

@@ -1,7 +1,7 @@
 """Several WebSocket messages in one socket write, and a write that yields to a close frame.
 
 trio-websocket sends each message with its own ``send_all`` (one syscall per token event),
-which was a quarter of the sidecar's CPU when relaying (docs/PERFORMANCE.md). Frames queued
+which cost a quarter of the sidecar's CPU when relaying (measured: docs/results/optimisations.md). Frames queued
 for one connection are encoded into WebSocket frames together and written at once, up to
 :data:`MAX_WRITE` bytes per write. Each is still its own WebSocket message (the protocol is
 unchanged).

@@ -11,6 +11,7 @@ listed with what makes any text acceptable. ``test_usage.py`` runs a sample as r
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import click
@@ -151,3 +152,69 @@ def test_the_sweep_sees_every_subcommand() -> None:
         "vllm-engine",
     }
     assert Path(__file__).name in {p.name for p in Path(__file__).parent.iterdir()}
+
+
+# -- the reference: every flag of every subcommand in docs/CLI.md ---------------------------------
+
+CLI_DOC = Path(__file__).resolve().parents[2] / "docs" / "CLI.md"
+REFERENCE_DOCS = [Path(__file__).resolve().parents[2] / "README.md"] + [
+    p for p in sorted(CLI_DOC.parent.rglob("*.md")) if "results" not in p.relative_to(CLI_DOC.parent).parts
+]
+#: Flags on their way out: not documented anywhere in the reference (they go to CHANGELOG.md as
+#: removed). Delete the entry once the flag is gone from the code.
+LEAVING = {("run", "--engine-transport")}
+_FLAG = re.compile(r"--[a-z0-9]+(?:-[a-z0-9]+)*")
+
+
+def _long_flags(param: click.Parameter) -> set[str]:
+    return {o for o in [*param.opts, *param.secondary_opts] if o.startswith("--")}
+
+
+def _doc_sections() -> list[tuple[list[str], set[str]]]:
+    """docs/CLI.md's sections: the subcommands each heading names in backticks (``[]`` for
+    "Every subcommand") and the flags its body names."""
+    sections = []
+    for section in re.split(r"^## ", CLI_DOC.read_text(), flags=re.M)[1:]:
+        heading, _, body = section.partition("\n")
+        names = [] if heading.startswith("Every subcommand") else re.findall(r"`([a-z-]+)`", heading)
+        sections.append((names, set(_FLAG.findall(body))))
+    return sections
+
+
+def _command_flags(name: str, global_flags: set[str]) -> set[str]:
+    command = main.get_command(click.Context(main), name)
+    assert command is not None, name
+    return (
+        {
+            f
+            for p in command.params
+            if isinstance(p, click.Option) and not p.hidden
+            for f in _long_flags(p)
+            if (name, f) not in LEAVING
+        }
+        - global_flags
+        - {"--help"}
+    )
+
+
+def test_every_flag_of_every_subcommand_is_in_docs_cli_md() -> None:
+    sections = _doc_sections()
+    global_flags = {f for p in main.params if not p.hidden for f in _long_flags(p)} - {"--help"}
+    common = set().union(*(flags for names, flags in sections if not names))
+    missing = sorted(f"(every subcommand) {f}" for f in global_flags - common)
+    extra: list[str] = []
+    for name in main.list_commands(click.Context(main)):
+        documented = set().union(*(flags for names, flags in sections if name in names))
+        missing += [f"{name} {f}" for f in sorted(_command_flags(name, global_flags) - documented)]
+    for names, flags in sections:
+        if names:
+            real = set().union(*(_command_flags(n, global_flags) for n in names))
+            extra += [f"{'/'.join(names)} {f}" for f in sorted(flags - real - global_flags)]
+    assert missing == [], f"document these in docs/CLI.md, in their subcommand's section: {missing}"
+    assert extra == [], f"docs/CLI.md names flags these subcommands do not have: {extra}"
+
+
+def test_flags_on_their_way_out_are_not_documented() -> None:
+    for command, flag in LEAVING:
+        for doc in REFERENCE_DOCS:
+            assert flag not in doc.read_text(), f"{doc.name} still documents {command} {flag}"

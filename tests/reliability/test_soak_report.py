@@ -1,5 +1,5 @@
 """``scripts/soak --report CSV``: an earlier run's rounds summarised again (the table in
-docs/RELIABILITY.md comes from it); a leaked round makes it exit 1."""
+docs/results/soak-runs.md comes from it); a leaked round makes it exit 1."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ engine will not run, so a refusal is a non-OK status with no event (schema "Stan
   ids, ``all`` candidates, structural tags, a guided-decoding backend other than the engine's,
   ``openengine-priority`` without ``--scheduling-policy priority``.
 
-Everything else maps onto vLLM's own fields (docs/ENGINES.md has the table). I/O-free; imports
+Everything else maps onto vLLM's own fields (docs/ENGINES.md). I/O-free; imports
 vLLM's ``SamplingParams`` only when building one.
 """
 
