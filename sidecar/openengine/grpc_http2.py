@@ -12,7 +12,7 @@ import re
 from collections.abc import Sequence
 from urllib.parse import unquote
 
-from sidecar.version import __version__
+from sidecar import __version__
 
 #: Largest response header list (bytes, as HPACK counts them) we accept.
 MAX_HEADER_LIST = 64 * 1024

@@ -162,7 +162,6 @@ REFERENCE_DOCS = [Path(__file__).resolve().parents[2] / "README.md"] + [
 ]
 #: Flags on their way out: not documented anywhere in the reference (they go to CHANGELOG.md as
 #: removed). Delete the entry once the flag is gone from the code.
-LEAVING = {("run", "--engine-transport")}
 _FLAG = re.compile(r"--[a-z0-9]+(?:-[a-z0-9]+)*")
 
 
@@ -190,7 +189,6 @@ def _command_flags(name: str, global_flags: set[str]) -> set[str]:
             for p in command.params
             if isinstance(p, click.Option) and not p.hidden
             for f in _long_flags(p)
-            if (name, f) not in LEAVING
         }
         - global_flags
         - {"--help"}
@@ -213,8 +211,3 @@ def test_every_flag_of_every_subcommand_is_in_docs_cli_md() -> None:
     assert missing == [], f"document these in docs/CLI.md, in their subcommand's section: {missing}"
     assert extra == [], f"docs/CLI.md names flags these subcommands do not have: {extra}"
 
-
-def test_flags_on_their_way_out_are_not_documented() -> None:
-    for command, flag in LEAVING:
-        for doc in REFERENCE_DOCS:
-            assert flag not in doc.read_text(), f"{doc.name} still documents {command} {flag}"
