@@ -184,12 +184,7 @@ def _command_flags(name: str, global_flags: set[str]) -> set[str]:
     command = main.get_command(click.Context(main), name)
     assert command is not None, name
     return (
-        {
-            f
-            for p in command.params
-            if isinstance(p, click.Option) and not p.hidden
-            for f in _long_flags(p)
-        }
+        {f for p in command.params if isinstance(p, click.Option) and not p.hidden for f in _long_flags(p)}
         - global_flags
         - {"--help"}
     )
@@ -210,4 +205,3 @@ def test_every_flag_of_every_subcommand_is_in_docs_cli_md() -> None:
             extra += [f"{'/'.join(names)} {f}" for f in sorted(flags - real - global_flags)]
     assert missing == [], f"document these in docs/CLI.md, in their subcommand's section: {missing}"
     assert extra == [], f"docs/CLI.md names flags these subcommands do not have: {extra}"
-
