@@ -66,6 +66,7 @@ import trio
 from sidecar.openengine import h2_client
 from sidecar.openengine.grpc_http2 import (
     INTERNAL,
+    INVALID_ARGUMENT,
     MAX_HEADER_LIST,
     MAX_MESSAGE,
     UNKNOWN,
@@ -83,6 +84,9 @@ log = logging.getLogger(__name__)
 _CANCEL = 8  # HTTP/2 error code CANCEL
 _READ_SIZE = 256 * 1024
 _LAST_STREAM_ID = 2**31 - 2  # a client's last odd stream id is 2^31 - 1
+#: How long a connection whose reader is done waits for its writer to send what is queued (a
+#: GOAWAY after a violation, resets) before it closes.
+_LAST_WRITE = 1.0
 
 #: Acknowledged PINGs per stretch without DATA/HEADERS from the engine (module doc: gRPC
 #: servers answer the third with GOAWAY ``too_many_pings``).
@@ -219,6 +223,8 @@ class TrioH2Connection:
         self._writer: trio.lowlevel.Task | None = None  # the writer task while it waits
         self._out: list[bytes] = []  # bytes taken from the protocol object by the reader, sent first
         self._want_write = False
+        self._closing = False  # the reader is done: the writer returns once nothing is queued
+        self._written = trio.Event()  # the writer returned
         self._sending: collections.deque[Call] = collections.deque()  # calls with body left
         self.settings_seen = trio.Event()
         self.peer_max_streams: int | None = None
@@ -263,6 +269,12 @@ class TrioH2Connection:
                         nursery.start_soon(self._liveness_loop)
                     task_status.started()
                     await self._read_loop()
+                    # the writer sends what is queued (a GOAWAY after a violation, resets) first:
+                    # cancelled in the middle of a send, those bytes would be lost
+                    self._closing = True
+                    self._flush_soon()
+                    with trio.move_on_after(_LAST_WRITE):
+                        await self._written.wait()
                     nursery.cancel_scope.cancel()
         except Exception as err:  # a defect here closes this connection only, never the client
             log.exception("engine connection %s failed; closing it", self.name)
@@ -307,8 +319,16 @@ class TrioH2Connection:
                 trio.lowlevel.reschedule(task)
 
     async def _write_loop(self) -> None:
+        try:
+            await self._write_until_closing()
+        finally:
+            self._written.set()
+
+    async def _write_until_closing(self) -> None:
         while True:
             if not self._want_write:
+                if self._closing:
+                    return
                 self._writer = trio.lowlevel.current_task()
 
                 def abort(_: Callable[[], object]) -> trio.lowlevel.Abort:
@@ -343,8 +363,8 @@ class TrioH2Connection:
         try:
             sid = conn.get_next_available_stream_id()
             conn.send_headers(sid, headers)
-        except h2_client.HeadersTooLarge as err:
-            raise CallError(f"request headers refused: {err}") from None
+        except h2_client.HeadersTooLarge as err:  # nothing was sent: the request's own fault
+            raise CallError(str(err), INVALID_ARGUMENT) from None
         except h2_client.H2Error as err:
             raise CallError(
                 f"engine connection refused a new stream ({type(err).__name__}: {err})", lost=True
