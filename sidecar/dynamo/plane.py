@@ -76,7 +76,8 @@ PLANE = "dynamo"
 def dynamo_event_loop() -> AbstractAsyncContextManager[object]:
     """The asyncio event loop Dynamo's runtime runs on (trio-asyncio, inside the sidecar's trio
     run): ``run --dynamo`` opens it around its services; nothing else in the sidecar needs one."""
-    return trio_asyncio.open_loop()
+    loop: AbstractAsyncContextManager[object] = trio_asyncio.open_loop()
+    return loop
 
 
 def import_dynamo() -> Any:
