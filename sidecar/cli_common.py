@@ -29,6 +29,23 @@ from sidecar.logs import FORMATS, LEVELS, setup_logging
 
 ENV_PREFIX = "OPENENGINE_SIDECAR_"
 
+#: The start of every error line the CLI prints: usage errors and operational failures alike.
+ERROR_PREFIX = "openengine-sidecar: "
+
+
+def error_line(message: str) -> str:
+    """``message`` as the CLI's one error line (:data:`ERROR_PREFIX`, whitespace runs folded)."""
+    return ERROR_PREFIX + " ".join(message.split())
+
+
+class CommandError(click.ClickException):
+    """An operational failure of a subcommand (not a usage error): ``sidecar.cli`` prints it as
+    one :func:`error_line` on stderr and exits with ``exit_code`` (1 unless given)."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code  # type: ignore[misc]  # click declares it a ClassVar
+
 
 class Option(click.Option):
     """A ``click.Option`` whose errors say where a bad value came from: the environment

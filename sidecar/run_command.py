@@ -27,7 +27,6 @@ import json
 import logging
 import signal
 import ssl
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from functools import partial
@@ -40,6 +39,7 @@ import trio_asyncio
 
 from sidecar import sdnotify
 from sidecar.addresses import join_host_port, split_host_port
+from sidecar.cli_common import CommandError
 from sidecar.cli_options import (
     ENGINE_ADDRESS,
     EXISTING_FILE,
@@ -576,8 +576,7 @@ def run(**opts: Any) -> None:
     except (StartupError, BaseExceptionGroup) as err:
         leaf = lone_exception(err)
         if isinstance(leaf, StartupError):
-            click.echo(f"openengine-sidecar: {leaf}", err=True)
-            sys.exit(1)
+            raise CommandError(str(leaf)) from None
         raise
 
 

@@ -79,7 +79,7 @@ async def test_mock_engine_refuses_a_socket_path_another_engine_serves(aio_loop:
             done = await cli("mock-engine", "--listen", first.address)
             assert done.code == 1, done.err
             assert done.err_lines == [
-                f"openengine-sidecar: mock-engine: cannot serve on {first.address}: "
+                f"openengine-sidecar: cannot serve on {first.address}: "
                 f"another live process serves {first.address[len('unix://') :]}"
             ]
             # the first engine still serves its path
@@ -130,7 +130,7 @@ async def test_client_errors_name_the_cause_and_the_address(tmp_path: Path) -> N
     done = await cli("generate", "--sidecar", f"ws://127.0.0.1:{port}", "hi")
     assert done.code == 1
     assert done.err_lines == [
-        f"error: cannot connect to ws://127.0.0.1:{port}/v1/ws: connection refused "
+        f"openengine-sidecar: cannot connect to ws://127.0.0.1:{port}/v1/ws: connection refused "
         "(nothing listens there: is the sidecar running?)"
     ], done.err
     done = await cli(
