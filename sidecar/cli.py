@@ -58,6 +58,11 @@ class LazyGroup(click.Group):
             raise
         command = getattr(module, attr)
         assert isinstance(command, click.Command)
+        if command.epilog is None:  # once per command object
+            from sidecar.cli_help import env_epilog
+            from sidecar.cli_options import COMMAND_ENV, ENV_PREFIX
+
+            command.epilog = env_epilog(command, ENV_PREFIX + COMMAND_ENV[cmd_name])
         return add_common_options(command)
 
     def resolve_command(
@@ -131,7 +136,11 @@ def _with_common_options(group: click.Group) -> click.Group:
 
 
 @_with_common_options
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(
+    cls=LazyGroup,
+    # help up to 100 columns on a terminal that wide (click's default stops at 80)
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
 @click.option(
     "--version",
     is_flag=True,

@@ -49,7 +49,14 @@ class CommandError(click.ClickException):
 
 class Option(click.Option):
     """A ``click.Option`` whose errors say where a bad value came from: the environment
-    variable or the config file (``--config``); a flag on the command line needs no note."""
+    variable or the config file (``--config``); a flag on the command line needs no note.
+    A number range reads ``INTEGER`` or ``FLOAT`` in the help (click's ``INTEGER RANGE``
+    pushed the text of most flags onto the next line); the range itself is still shown."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.metavar is None and isinstance(self.type, click.IntRange | click.FloatRange):
+            self.metavar = self.type.name.upper().removesuffix(" RANGE")
 
     def get_error_hint(self, ctx: click.Context | None) -> str:
         hint = " / ".join(f"'{x}'" for x in self.opts or [self.human_readable_name])
@@ -180,8 +187,7 @@ def common_options() -> list[click.Option]:
             envvar=ENV_PREFIX + "CONFIG",
             show_envvar=True,
             metavar="FILE",
-            help="Read flag values from this TOML file (a [subcommand] table, keys = flag names); "
-            "flags and environment variables override it.",
+            help="TOML file of flag values (a [subcommand] table, keys = flag names).",
         ),
         Option(
             ["--log-level"],
@@ -203,8 +209,7 @@ def common_options() -> list[click.Option]:
             callback=_logging_callback,
             envvar=ENV_PREFIX + "LOG_FORMAT",
             show_envvar=True,
-            help="text: one line per record; json: one JSON object per line (timestamp, level, "
-            "logger, message, request_id/stream when serving a stream).",
+            help="text: one line per record; json: one JSON object per line.",
         ),
     ]
 
