@@ -8,7 +8,8 @@
 :func:`serve` goes through three phases and reads SIGTERM/SIGINT in each:
 
 - **starting** (engine wait, discovery, binding every listener): a signal stops at once,
-  exit 0 with one line; "ready" is logged only once every listener is bound.
+  exit 0 with one line; every listen address is tried before any is served, all clashes in
+  one line (``sidecar.listen_check``); "ready" is logged once every listener is bound.
 - **serving**, until the first signal.
 - **stopping**, within one deadline (:func:`sidecar.core.shutdown.stop_timeout`): leave Dynamo
   (``--dynamo``), drain (``/ready`` 503, new work DRAINING, admitted streams finish within
@@ -62,6 +63,7 @@ from sidecar.dynamo.options import dynamo_config, dynamo_options
 from sidecar.dynamo.plane import DynamoPlane, start_dynamo_plane
 from sidecar.kvbridge import KvBridgeConfig, KvConfigError, KvSourceError, run_kv_bridge
 from sidecar.kvbridge.options import kv_bridge_config, kv_bridge_options
+from sidecar.listen_check import check_run_listeners
 from sidecar.loopwatch import watch_loop
 from sidecar.north.http import build_app
 from sidecar.north.http_server import HttpLimits, serve_http
@@ -166,6 +168,7 @@ async def _start(
 ) -> tuple[dict[str, str], NorthPlane, DynamoPlane | None]:
     """Wait for the engine, start every service in ``root``, bind every listener; log "ready"."""
     card = await sidecar.startup()
+    await check_run_listeners(listen, http_listen, kv if card.kv_event_sources else None, card.dp_ranks)
     await root.start(sidecar.supervisor.run_service)
     await _start_kv_bridge(root, sidecar, kv)
     log.info(
