@@ -17,7 +17,7 @@ import trio
 
 from sidecar.childproc import ENGINE_READY
 from tests.cli.helpers import cli
-from tests.e2e.harness import mock_engine, spawn
+from tests.e2e.harness import mock_engine, sidecar, spawn
 
 pytestmark = pytest.mark.slow
 
@@ -155,6 +155,19 @@ async def test_client_errors_name_the_cause_and_the_address(tmp_path: Path) -> N
     assert done.code == 1
     assert f"decode ws://127.0.0.1:{port + 1}/v1/ws: unreachable" in done.err, done.err
     assert f"prefill ws://127.0.0.1:{port}/v1/ws: unreachable" in done.err, done.err
+
+
+async def test_generate_at_the_http_port_is_told_so(aio_loop: Any, tmp_path: Path) -> None:
+    """It said "HTTP 403", which read like an authorization problem."""
+    with trio.fail_after(60):
+        async with mock_engine(tmp_path) as engine, sidecar(engine.address, "--no-kv-events") as sc:
+            port = sc.http.rsplit(":", 1)[1]
+            done = await cli("generate", "--sidecar", f"ws://127.0.0.1:{port}", "hi")
+    assert done.code == 1
+    assert done.err_lines == [
+        f"openengine-sidecar: cannot connect to ws://127.0.0.1:{port}/v1/ws: that is the sidecar's HTTP "
+        "port (probes, metrics), not its WebSocket port: connect to its --listen address (default port 8600)"
+    ], done.err
 
 
 @pytest.mark.parametrize(
