@@ -29,10 +29,34 @@ from sidecar.logs import FORMATS, LEVELS, setup_logging
 
 ENV_PREFIX = "OPENENGINE_SIDECAR_"
 
+#: The start of every error line the CLI prints: usage errors and operational failures alike.
+ERROR_PREFIX = "openengine-sidecar: "
+
+
+def error_line(message: str) -> str:
+    """``message`` as the CLI's one error line (:data:`ERROR_PREFIX`, whitespace runs folded)."""
+    return ERROR_PREFIX + " ".join(message.split())
+
+
+class CommandError(click.ClickException):
+    """An operational failure of a subcommand (not a usage error): ``sidecar.cli`` prints it as
+    one :func:`error_line` on stderr and exits with ``exit_code`` (1 unless given)."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code  # type: ignore[misc]  # click declares it a ClassVar
+
 
 class Option(click.Option):
     """A ``click.Option`` whose errors say where a bad value came from: the environment
-    variable or the config file (``--config``); a flag on the command line needs no note."""
+    variable or the config file (``--config``); a flag on the command line needs no note.
+    A number range reads ``INTEGER`` or ``FLOAT`` in the help (click's ``INTEGER RANGE``
+    pushed the text of most flags onto the next line); the range itself is still shown."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.metavar is None and isinstance(self.type, click.IntRange | click.FloatRange):
+            self.metavar = self.type.name.upper().removesuffix(" RANGE")
 
     def get_error_hint(self, ctx: click.Context | None) -> str:
         hint = " / ".join(f"'{x}'" for x in self.opts or [self.human_readable_name])
@@ -163,8 +187,7 @@ def common_options() -> list[click.Option]:
             envvar=ENV_PREFIX + "CONFIG",
             show_envvar=True,
             metavar="FILE",
-            help="Read flag values from this TOML file (a [subcommand] table, keys = flag names); "
-            "flags and environment variables override it.",
+            help="TOML file of flag values (a [subcommand] table, keys = flag names).",
         ),
         Option(
             ["--log-level"],
@@ -186,8 +209,7 @@ def common_options() -> list[click.Option]:
             callback=_logging_callback,
             envvar=ENV_PREFIX + "LOG_FORMAT",
             show_envvar=True,
-            help="text: one line per record; json: one JSON object per line (timestamp, level, "
-            "logger, message, request_id/stream when serving a stream).",
+            help="text: one line per record; json: one JSON object per line.",
         ),
     ]
 

@@ -65,14 +65,15 @@ class OptionDecorator(Protocol):
 
 def command_option(command: str) -> OptionDecorator:
     """The ``option`` decorator of ``command``: ``click.option`` that also reads the flag's
-    variable (:func:`env_name`); an explicit ``envvar=`` is kept."""
+    variable (:func:`env_name`; the help says so once, ``sidecar.cli_help.env_epilog``, not per
+    flag); an explicit ``envvar=`` is kept and shown in the flag's help."""
 
     def option(*decls: str, **kwargs: Any) -> Callable[[FC], FC]:
         longs = [d for d in decls if d.startswith("--")]
-        if longs and "envvar" not in kwargs:
-            kwargs["envvar"] = env_name(longs[0].split("/")[0], command)
         if "envvar" in kwargs:
             kwargs.setdefault("show_envvar", True)
+        elif longs:
+            kwargs["envvar"] = env_name(longs[0].split("/")[0], command)
         kwargs.setdefault("cls", Option)
         return click.option(*decls, **kwargs)
 

@@ -9,7 +9,8 @@
 :func:`serve` goes through three phases and reads SIGTERM/SIGINT in each:
 
 - **starting** (engine wait, discovery, binding every listener): a signal stops at once,
-  exit 0 with one line; "ready" is logged only once every listener is bound.
+  exit 0 with one line; every listen address is tried before any is served, all clashes in
+  one line (``sidecar.listen_check``); "ready" is logged once every listener is bound.
 - **serving**, until the first signal.
 - **stopping**, within one deadline (:func:`sidecar.core.shutdown.stop_timeout`): leave Dynamo
   (``--dynamo``), drain (``/ready`` 503, new work DRAINING, admitted streams finish within
@@ -29,7 +30,6 @@ import json
 import logging
 import signal
 import ssl
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from functools import partial
@@ -41,6 +41,8 @@ import trio
 
 from sidecar import sdnotify
 from sidecar.addresses import join_host_port, split_host_port
+from sidecar.cli_common import CommandError
+from sidecar.cli_help import RUN_SECTIONS, SectionedCommand
 from sidecar.cli_options import (
     ENGINE_ADDRESS,
     EXISTING_FILE,
@@ -62,6 +64,7 @@ from sidecar.dynamo.options import dynamo_config, dynamo_options
 from sidecar.dynamo.plane import DynamoPlane, dynamo_event_loop, start_dynamo_plane
 from sidecar.kvbridge import KvBridgeConfig, KvConfigError, KvSourceError, run_kv_bridge
 from sidecar.kvbridge.options import kv_bridge_config, kv_bridge_options
+from sidecar.listen_check import check_run_listeners
 from sidecar.loopwatch import watch_loop
 from sidecar.north.http import build_app
 from sidecar.north.http_server import HttpLimits, serve_http
@@ -161,6 +164,7 @@ async def _start(
 ) -> tuple[dict[str, str], NorthPlane, DynamoPlane | None]:
     """Wait for the engine, start every service in ``root``, bind every listener; log "ready"."""
     card = await sidecar.startup()
+    await check_run_listeners(listen, http_listen, kv if card.kv_event_sources else None, card.dp_ranks)
     await root.start(sidecar.supervisor.run_service)
     await _start_kv_bridge(root, sidecar, kv)
     log.info(
@@ -294,7 +298,7 @@ async def _watchdog(interval: float) -> None:
         await trio.sleep(interval)
 
 
-@click.command("run")
+@click.command("run", cls=SectionedCommand, sections=RUN_SECTIONS)
 @option(
     "--engine",
     type=ENGINE_ADDRESS,
@@ -306,42 +310,42 @@ async def _watchdog(interval: float) -> None:
     type=ListenAddressType(),
     default="127.0.0.1:8600",
     show_default=True,
-    help="WebSocket listener (north protocol), HOST:PORT (port 0: any free port).",
+    help="WebSocket listener (the stream protocol); port 0: any free port.",
 )
 @option(
     "--http-listen",
     type=ListenAddressType(),
     default="127.0.0.1:8601",
     show_default=True,
-    help="HTTP listener: health, ready, metrics, worker card, load.",
+    help="HTTP listener: probes, metrics, worker card, load.",
 )
 @option(
     "--http-idle-timeout",
     type=click.FloatRange(min=0.1),
     default=5.0,
     show_default=True,
-    help="Close an HTTP connection without a complete request for this long (idle or slow headers).",
+    help="Close an HTTP connection with no complete request for this long.",
 )
 @option(
     "--http-max-header-bytes",
     type=click.IntRange(min=1024),
     default=16 * 1024,
     show_default=True,
-    help="Largest HTTP request line + headers; larger requests get 400.",
+    help="Largest HTTP request line + headers (bytes).",
 )
 @option(
     "--http-max-connections",
     type=click.IntRange(min=0),
     default=HttpLimits.max_connections,
     show_default=True,
-    help="Open HTTP connections (more: the oldest idle one is closed, else 503 at accept; 0: no limit).",
+    help="Open HTTP connections (0: no limit).",
 )
 @option(
     "--http-max-connections-per-peer",
     type=click.IntRange(min=0),
     default=HttpLimits.max_connections_per_peer,
     show_default=True,
-    help="Open HTTP connections per client IP address (IPv6: per /64), likewise (0: no limit).",
+    help="Open HTTP connections per client address (0: no limit).",
 )
 @option("--model", default=None, help="Serve only this model (served name or alias).")
 @option("--expected-engine", default=None, help="Refuse to start unless the engine reports this name.")
@@ -375,7 +379,7 @@ async def _watchdog(interval: float) -> None:
     type=SECONDS,
     default=5.0,
     show_default=True,
-    help="Bound of one control call (Health, GetLoad, discovery, LoRA); two Health timeouts in a row mark the engine lost.",
+    help="Bound of one control call (Health, GetLoad, discovery, LoRA).",
 )
 @option("--load-interval", type=SECONDS, default=1.0, show_default=True, help="GetLoad polling interval.")
 @option(
@@ -383,63 +387,63 @@ async def _watchdog(interval: float) -> None:
     type=SECONDS_OR_ZERO,
     default=30.0,
     show_default=True,
-    help="Fail a stream whose engine sent nothing for this long after its first event (0: never).",
+    help="Fail a stream silent for this long after its first event (0: never).",
 )
 @option(
     "--first-event-timeout",
     type=SECONDS_OR_ZERO,
     default=600.0,
     show_default=True,
-    help="Fail a stream whose engine sent no first event for this long: queueing and prefill (0: never).",
+    help="Fail a stream with no first event (queueing, prefill) for this long (0: never).",
 )
 @option(
     "--engine-keepalive-interval",
     type=SECONDS_OR_ZERO,
     default=10.0,
     show_default=True,
-    help="HTTP/2 PING an engine connection silent for this long while it owes an answer (0: never).",
+    help="PING an engine connection silent this long while it owes an answer (0: never).",
 )
 @option(
     "--engine-keepalive-timeout",
     type=SECONDS,
     default=10.0,
     show_default=True,
-    help="Close an engine connection whose PING is not answered within this long.",
+    help="Close an engine connection whose PING goes unanswered this long.",
 )
 @option(
     "--abort-timeout",
     type=SECONDS,
     default=2.0,
     show_default=True,
-    help="Bound of one Abort attempt (seconds).",
+    help="Bound of one Abort attempt.",
 )
 @option(
     "--abort-retry-window",
     type=SECONDS_OR_ZERO,
     default=30.0,
     show_default=True,
-    help="Seconds failed Aborts are retried in the background before they are kept for re-delivery (0: no retry).",
+    help="Seconds a failed Abort is retried before it is kept for re-delivery (0: no retry).",
 )
 @option(
     "--max-undelivered-aborts",
     type=click.IntRange(min=0),
     default=4096,
     show_default=True,
-    help="Aborts kept, after --abort-retry-window, until the unreachable engine answers again; when full the oldest is dropped and counted (0: give up instead).",
+    help="Aborts kept until an unreachable engine answers (full: the oldest dropped; 0: none).",
 )
 @option(
     "--max-streams",
     type=click.IntRange(min=0),
     default=4096,
     show_default=True,
-    help="Admitted streams per sidecar (0: refuse every stream with a retryable OVERLOADED).",
+    help="Admitted streams per sidecar (0: refuse every stream, OVERLOADED).",
 )
 @option(
     "--max-streams-per-connection",
     type=click.IntRange(min=1),
     default=1024,
     show_default=True,
-    help="Open streams one WebSocket connection may have.",
+    help="Open streams per WebSocket connection.",
 )
 @option(
     "--stall-timeout",
@@ -468,13 +472,13 @@ async def _watchdog(interval: float) -> None:
     type=click.Path(file_okay=False),
     callback=absolute_path,
     default=None,
-    help="Refuse loadLora calls whose source path is not under this directory (absolute).",
+    help="Refuse loadLora sources outside this absolute directory.",
 )
 @option(
     "--ready-file",
     type=NewFile(),
     default=None,
-    help="Write the bound addresses here (JSON) once ready (the directory must exist).",
+    help="Write the bound addresses here (JSON) once ready.",
 )
 @option(
     "--tls-cert",
@@ -564,8 +568,7 @@ def run(**opts: Any) -> None:
     except (StartupError, BaseExceptionGroup) as err:
         leaf = lone_exception(err)
         if isinstance(leaf, StartupError):
-            click.echo(f"openengine-sidecar: {leaf}", err=True)
-            sys.exit(1)
+            raise CommandError(str(leaf)) from None
         raise
 
 

@@ -30,6 +30,7 @@ from sidecar.bench import analysis, machine, procs, report
 from sidecar.bench.config import OPTIONAL_SCENARIOS, SCENARIOS, BenchConfig
 from sidecar.bench.pb2 import Pb2Unavailable, generate_pb2
 from sidecar.bench.scenarios import RUNNERS, Bench
+from sidecar.cli_common import CommandError
 from sidecar.cli_options import NewDir, NewFile, command_option
 
 #: Where results go by default (git-ignored).
@@ -248,10 +249,9 @@ def bench(**kw: Any) -> None:
         config = replace(config, scale_points=kw["scale_points"])
     doc = trio.run(_until_signal, config)
     if doc is None:
-        click.echo(
-            f"interrupted: stopped every process; results of finished scenarios are in {config.out}", err=True
+        raise CommandError(
+            f"interrupted: stopped every process; results of finished scenarios are in {config.out}", 130
         )
-        sys.exit(130)
     click.echo("")
     click.echo(report.render_table(doc["results"]))
     click.echo("")

@@ -12,6 +12,7 @@ import click
 import msgspec
 import trio
 
+from sidecar.cli_common import error_line
 from sidecar.cli_options import EXISTING_FILE, Seconds, command_option, read_token
 from sidecar.client.disagg import DisaggFlow, open_disagg
 from sidecar.client.sidecar_client import SidecarConnectionError, SidecarStream, open_sidecar, sidecar_url
@@ -108,7 +109,7 @@ async def run_generate(
     if lost is not None:
         if wrote_text and not wrote_text.endswith("\n"):
             out.write("\n")
-        err.write(f"error: {lost}\n")
+        err.write(error_line(str(lost)) + "\n")
         return 1
     end = stream.end
     assert end is not None
@@ -119,7 +120,7 @@ async def run_generate(
     out.flush()
     if end.outcome == "completed":
         return 0
-    err.write(f"{end.outcome}: {_describe(end.error)}\n")
+    err.write(error_line(f"{end.outcome}: {_describe(end.error)}") + "\n")
     if end.outcome == "cancelled" and interrupted:
         return EXIT_INTERRUPTED
     return 1
@@ -297,10 +298,10 @@ async def run_disagg(
     for attempt in end.attempts:
         if attempt.result != "completed":
             detail = f"{attempt.code}: {attempt.message}" if attempt.code else attempt.message
-            err.write(f"{attempt.role} {attempt.url}: {attempt.result} ({detail})\n")
+            err.write(error_line(f"{attempt.role} {attempt.url}: {attempt.result} ({detail})") + "\n")
     if end.outcome == "completed":
         return 0
-    err.write(f"{end.outcome}: {_describe(end.error)}\n")
+    err.write(error_line(f"{end.outcome}: {_describe(end.error)}") + "\n")
     if end.outcome == "cancelled" and interrupted:
         return EXIT_INTERRUPTED
     return 1

@@ -30,6 +30,7 @@ import ssl
 import urllib.parse
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from http import HTTPStatus
 from typing import Any
 
 import betterproto2
@@ -48,6 +49,7 @@ from sidecar.north import codec, wire
 from sidecar.north.codec import Encoding
 from sidecar.north.pbjson import message_to_json
 from sidecar.nursery import first_leaf, open_background_nursery
+from sidecar.quoting import clip
 
 __all__ = [
     "DEFAULT_PATH",
@@ -512,12 +514,7 @@ async def open_sidecar(
 def connect_failure(err: BaseException, connect_timeout: float) -> str:
     """What went wrong opening a connection, in words: refused, TLS, timeout, an HTTP refusal."""
     if isinstance(err, ConnectionRejected):
-        if err.status_code == 401:
-            return "401 unauthorized: the sidecar wants a bearer token (--auth-token-file); none or a wrong one was sent"
-        body = (err.body or b"").decode(errors="replace").strip()
-        return f"the sidecar refused the WebSocket handshake: HTTP {err.status_code}" + (
-            f" ({body})" if body else ""
-        )
+        return _refusal(err)
     if isinstance(err, ConnectionTimeout):
         return (
             f"no WebSocket handshake within {connect_timeout:g}s (is it a TLS port spoken to as ws://, "
@@ -533,6 +530,29 @@ def connect_failure(err: BaseException, connect_timeout: float) -> str:
     if isinstance(cause, OSError):
         return cause.strerror or str(cause) or type(cause).__name__
     return str(cause) or type(cause).__name__
+
+
+def _refusal(err: ConnectionRejected) -> str:
+    """A refused WebSocket handshake in words (the server's body escaped and cut)."""
+    status = err.status_code
+    if any(k.lower() == wire.LISTENER_HEADER.encode() and v == b"http" for k, v in err.headers):
+        return (
+            "that is the sidecar's HTTP port (probes, metrics), not its WebSocket port: "
+            "connect to its --listen address (default port 8600)"
+        )
+    if status == 401:
+        return "401 unauthorized: the sidecar wants a bearer token (--auth-token-file); none or a wrong one was sent"
+    try:
+        phrase = f" {HTTPStatus(status).phrase}"
+    except ValueError:
+        phrase = ""
+    body = (err.body or b"").decode(errors="replace").strip()
+    text = f"the WebSocket handshake was refused with HTTP {status}{phrase}" + (
+        f" ({clip(body, 200)})" if body else ""
+    )
+    if status not in (HTTPStatus.TOO_MANY_REQUESTS, HTTPStatus.SERVICE_UNAVAILABLE):  # a sidecar at capacity
+        text += ": is it the address of a sidecar's --listen (default port 8600)?"
+    return text
 
 
 def _root_cause(err: BaseException) -> BaseException:

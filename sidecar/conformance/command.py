@@ -15,6 +15,7 @@ from typing import TextIO
 import click
 import trio
 
+from sidecar.cli_common import CommandError
 from sidecar.cli_options import ENGINE_ADDRESS, SECONDS, NewFile, absolute_path, command_option
 from sidecar.conformance.context import SuiteOptions
 from sidecar.conformance.progress import LineProgress
@@ -148,11 +149,10 @@ def conformance(
     try:
         outcome = trio.run(run_conformance, options, human)
     except KeyboardInterrupt:
-        click.echo("\nconformance: interrupted", err=True)
-        sys.exit(EXIT_INTERRUPTED)
+        human.write("\n")  # past the progress line
+        raise CommandError("interrupted", EXIT_INTERRUPTED) from None
     if isinstance(outcome, SuiteError | ValueError):
-        click.echo(f"conformance: {outcome}", err=True)
-        sys.exit(EXIT_NOT_RUN)
+        raise CommandError(str(outcome), EXIT_NOT_RUN)
     human.write("\n" + format_table(outcome, width=width) + "\n")
     human.flush()
     if json_path:

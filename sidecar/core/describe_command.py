@@ -7,13 +7,13 @@ discovery — or when the card was printed but lists problems that would stop ``
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable
 
 import click
 import msgspec
 import trio
 
+from sidecar.cli_common import CommandError
 from sidecar.cli_options import ENGINE_ADDRESS, SECONDS, command_option
 from sidecar.core.card import EndpointCard, LogprobCard, ModelCard, WorkerCard, card_to_json
 from sidecar.core.discovery import discover
@@ -273,12 +273,10 @@ def describe(
 
     card = trio.run(main)
     if isinstance(card, DescribeFailed):
-        click.echo(f"describe: {card}", err=True)
-        sys.exit(1)
+        raise CommandError(str(card))
     if as_json:
         click.echo(msgspec.json.format(card_to_json(card), indent=2).decode())
     else:
         click.echo(format_card(card))
     if card.problems:
-        click.echo(f"describe: the sidecar would not serve this engine: {card.problems[0]}", err=True)
-        sys.exit(1)
+        raise CommandError(f"the sidecar would not serve this engine: {card.problems[0]}")

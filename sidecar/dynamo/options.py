@@ -1,7 +1,7 @@
 """The Dynamo plane's command-line flags, for the ``run`` command.
 
 Each flag reads ``OPENENGINE_SIDECAR_DYNAMO_*`` and then the ``DYN_*`` variable Dynamo's
-own workers read (``DYN_NAMESPACE``, ``DYN_DISCOVERY_BACKEND``, ``DYN_REQUEST_PLANE``,
+own workers read (named in the flag's help) (``DYN_NAMESPACE``, ``DYN_DISCOVERY_BACKEND``, ``DYN_REQUEST_PLANE``,
 ``DYN_EVENT_PLANE``), so an existing Dynamo deployment's environment applies as is.
 Other ``DYN_*`` variables (``DYN_FILE_KV``, ``ETCD_ENDPOINTS``, ``NATS_SERVER``,
 ``DYN_TCP_RPC_HOST`` …) are read by Dynamo's runtime itself.
@@ -43,15 +43,15 @@ _OPTIONS = [
         "dynamo",
         default=False,
         show_default=True,
-        help="Also serve the engine to a Dynamo deployment (needs the 'dynamo' extra).",
+        help="Also serve the engine to a Dynamo deployment.",
     ),
     option(
         "--dynamo-namespace",
         default="dynamo",
         show_default=True,
         envvar=_envs("--dynamo-namespace", "DYN_NAMESPACE"),
-        show_envvar=True,
-        help="Dynamo namespace to register in.",
+        show_envvar=False,  # the help names the DYN_* variable
+        help="Dynamo namespace to register in (or DYN_NAMESPACE).",
     ),
     option(
         "--dynamo-component",
@@ -65,8 +65,8 @@ _OPTIONS = [
         default="etcd",
         show_default=True,
         envvar=_envs("--dynamo-discovery-backend", "DYN_DISCOVERY_BACKEND"),
-        show_envvar=True,
-        help="Dynamo discovery backend ('file' uses DYN_FILE_KV).",
+        show_envvar=False,  # the help names the DYN_* variable
+        help="Dynamo discovery backend (or DYN_DISCOVERY_BACKEND; 'file' uses DYN_FILE_KV).",
     ),
     option(
         "--dynamo-request-plane",
@@ -74,8 +74,8 @@ _OPTIONS = [
         default="tcp",
         show_default=True,
         envvar=_envs("--dynamo-request-plane", "DYN_REQUEST_PLANE"),
-        show_envvar=True,
-        help="How Dynamo's routers send requests to this worker.",
+        show_envvar=False,  # the help names the DYN_* variable
+        help="How Dynamo's routers send requests here (or DYN_REQUEST_PLANE).",
     ),
     option(
         "--dynamo-event-plane",
@@ -83,14 +83,14 @@ _OPTIONS = [
         default="zmq",
         show_default=True,
         envvar=_envs("--dynamo-event-plane", "DYN_EVENT_PLANE"),
-        show_envvar=True,
-        help="How KV events and other Dynamo events are published.",
+        show_envvar=False,  # the help names the DYN_* variable
+        help="How KV and other Dynamo events are published (or DYN_EVENT_PLANE).",
     ),
     option(
         "--dynamo-model-path",
         type=click.Path(exists=True, file_okay=False),
         default=None,
-        help="Local model/tokenizer directory to register (default: the engine's tokenizer source).",
+        help="Model/tokenizer directory to register (default: the engine's tokenizer source).",
     ),
     option(
         "--dynamo-kv-events/--no-dynamo-kv-events",

@@ -24,6 +24,7 @@ from typing import Any
 
 import click
 
+from sidecar.cli_common import CommandError
 from sidecar.cli_options import COUNT, HostName, ListenAddressType, NewFile, command_option, env_name
 from sidecar.mock.app import BindError, ServingInfo, serve_engine
 from sidecar.mock.config import FLAVORS, ROLES, SCHEMA_NAMES, EngineConfig
@@ -252,8 +253,6 @@ def mock_engine(**kw: Any) -> None:
     try:
         asyncio.run(main())
     except BindError as err:
-        raise click.ClickException(f"mock-engine: {err}") from None
+        raise CommandError(str(err)) from None
     except OSError as err:
-        raise click.ClickException(
-            f"mock-engine: cannot serve on {config.listen}: {err.strerror or err}"
-        ) from None
+        raise CommandError(f"cannot serve on {config.listen}: {err.strerror or err}") from None

@@ -229,7 +229,9 @@ class ZmqKvPublisher:
                 continue
             ident, start = frames[0], int.from_bytes(frames[2], "big")
             held = self.sequencer.buffer.since(start + self.faults.replay_offset)
-            logger.info(
+            # a subscriber's silence probe asks every few seconds while idle: say only what sends
+            logger.log(
+                logging.INFO if held else logging.DEBUG,
                 "KV events rank %d: replay from %d: %d batches%s",
                 self.dp_rank,
                 start,

@@ -6,6 +6,11 @@ process and its event loop answer); ``/ready`` is 200 only when negotiated, disc
 engine healthy and not draining; ``/v1/schema`` is the north protocol's JSON Schema
 (``sidecar.north.schema``, as docs/protocol.schema.json). Paths are exact: ``/metrics/`` is 404, never a redirect
 (Starlette's would point at whatever ``Host`` the client sent).
+
+A WebSocket handshake (a client pointed at this port instead of ``--listen``) is answered 400
+with a body saying which port serves the stream protocol, and the header
+:data:`sidecar.north.wire.LISTENER_HEADER` ``: http`` by which ``sidecar.client`` recognises it (Starlette's own
+answer, 403, read like an authorization failure).
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ import trio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket
 
 from sidecar.core import int64
 from sidecar.core.card import WorkerCard
@@ -26,8 +32,15 @@ from sidecar.core.load import LoadTracker
 from sidecar.metrics import REGISTRY
 from sidecar.north.auth import bearer_matches
 from sidecar.north.schema import schema_json
+from sidecar.north.wire import LISTENER_HEADER
 
 _json = int64.json_encoder  # 64-bit integers as decimal strings (docs/PROTOCOL.md)
+
+#: The body of that answer on the HTTP port.
+NOT_THE_WEBSOCKET_PORT = (
+    "this is the sidecar's HTTP port (probes, metrics, worker card); the WebSocket stream protocol "
+    "is served on its --listen address (default port 8600)\n"
+)
 
 
 class HttpHost(Protocol):
@@ -91,6 +104,11 @@ def build_app(host: HttpHost, *, auth_token: str | None = None, open_probes: boo
     async def schema(request: Request) -> Response:
         return Response(schema_json(), media_type="application/schema+json")
 
+    async def not_here(websocket: WebSocket) -> None:
+        await websocket.send_denial_response(
+            PlainTextResponse(NOT_THE_WEBSOCKET_PORT, 400, headers={LISTENER_HEADER: "http"})
+        )
+
     app = Starlette(
         routes=[
             Route("/health", guarded(health, probe=True)),
@@ -99,6 +117,7 @@ def build_app(host: HttpHost, *, auth_token: str | None = None, open_probes: boo
             Route("/v1/worker", guarded(worker)),
             Route("/v1/load", guarded(load)),
             Route("/v1/schema", guarded(schema)),
+            WebSocketRoute("/{path:path}", not_here),
         ]
     )
     app.router.redirect_slashes = False  # a redirect would name the client-supplied Host

@@ -29,6 +29,7 @@ from sidecar.openengine import pb
 
 __all__ = [
     "CALL_METHODS",
+    "LISTENER_HEADER",
     "MAX_ID_INT",
     "MAX_ID_LENGTH",
     "MAX_KV_SESSION_BYTES",
@@ -61,6 +62,10 @@ __all__ = [
     "TokenOutput",
     "Usage",
 ]
+
+#: Header of a refused WebSocket handshake on the sidecar's HTTP port (a client pointed there
+#: instead of at ``--listen``), with the value ``http``: the client names the mistake.
+LISTENER_HEADER: Final = "openengine-sidecar-listener"
 
 # --- limits the codec enforces (the maximum WebSocket message size is the server's) ---
 

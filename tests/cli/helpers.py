@@ -55,7 +55,8 @@ async def cli(
 
 
 def one_line_usage_error(done: Done, flag: str) -> None:
-    """Exit 2 with exactly one line on stderr naming ``flag``."""
+    """Exit 2 with exactly one line on stderr, the CLI's error prefix, naming ``flag``."""
     assert done.code == 2, (done.code, done.err)
     assert len(done.err_lines) == 1, done.err
+    assert done.err_lines[0].startswith("openengine-sidecar: "), done.err
     assert flag in done.err_lines[0], done.err

@@ -31,7 +31,7 @@ async def test_wss_against_a_plain_port_says_tls(aio_loop: Any, tmp_path: Path) 
             elapsed = trio.current_time() - start
     assert done.code == 1
     assert len(done.err_lines) == 1 and done.err_lines[0].startswith(
-        f"error: cannot connect to {url}: TLS"
+        f"openengine-sidecar: cannot connect to {url}: TLS"
     ), done.err
     assert elapsed < 2, elapsed  # not the 10 s connect timeout
 
@@ -47,7 +47,7 @@ async def test_missing_token_says_401_and_the_address(aio_loop: Any, tmp_path: P
             done = await cli("generate", "--sidecar", sc.ws, "hi")
     assert done.code == 1
     assert done.err_lines == [
-        f"error: cannot connect to {sc.ws}: 401 unauthorized: the sidecar wants a bearer token "
+        f"openengine-sidecar: cannot connect to {sc.ws}: 401 unauthorized: the sidecar wants a bearer token "
         "(--auth-token-file); none or a wrong one was sent"
     ], done.err
 

@@ -8,6 +8,7 @@ import re
 import signal
 import socket
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import trio
 
 from sidecar.childproc import ENGINE_READY
 from tests.cli.helpers import cli
-from tests.e2e.harness import mock_engine, spawn
+from tests.e2e.harness import mock_engine, sidecar, spawn
 
 pytestmark = pytest.mark.slow
 
@@ -62,15 +63,30 @@ async def test_port_in_use_is_one_line_and_never_ready(aio_loop: Any, tmp_path: 
             listeners[flag] = LISTENERS[flag].format(port=port)
             done = await cli("run", "--engine", engine.address, *(x for kv in listeners.items() for x in kv))
     assert done.code == 1, done.err
-    last = done.err_lines[-1]
-    if flag.startswith("--kv-"):
-        assert last.startswith("openengine-sidecar: ") and f"tcp://127.0.0.1:{port}" in last, done.err
-        assert "Address already in use" in last, done.err
-    else:
-        assert (
-            last == f"openengine-sidecar: {flag} 127.0.0.1:{port}: cannot listen: Address already in use"
-        ), done.err
+    assert done.err_lines[-1] == (
+        f"openengine-sidecar: cannot listen on {flag} {LISTENERS[flag].format(port=port)} (Address already in "
+        "use) (in use by another process: a second sidecar on one host needs its own ports, or port 0 for "
+        "any free one)"
+    ), done.err
     assert "ready: serving" not in done.err, done.err
+
+
+async def test_every_clash_is_named_at_once(aio_loop: Any, tmp_path: Path) -> None:
+    """A second sidecar on one host: every listen address taken, one line naming each with its
+    flag (it met them one failure at a time, the first one naming no flag)."""
+    with ExitStack() as stack, trio.fail_after(60):
+        ports = [stack.enter_context(_held_port()).getsockname()[1] for _ in LISTENERS]
+        listeners = {
+            flag: address.format(port=p) for (flag, address), p in zip(LISTENERS.items(), ports, strict=True)
+        }
+        async with mock_engine(tmp_path) as engine:
+            done = await cli("run", "--engine", engine.address, *(x for kv in listeners.items() for x in kv))
+    assert done.code == 1, done.err
+    last = done.err_lines[-1]
+    assert last.startswith("openengine-sidecar: cannot listen on "), done.err
+    for flag, address in listeners.items():
+        assert f"{flag} {address} (Address already in use)" in last, done.err
+    assert "ready: serving" not in done.err and "Traceback" not in done.err, done.err
 
 
 async def test_mock_engine_refuses_a_socket_path_another_engine_serves(aio_loop: Any, tmp_path: Path) -> None:
@@ -79,7 +95,7 @@ async def test_mock_engine_refuses_a_socket_path_another_engine_serves(aio_loop:
             done = await cli("mock-engine", "--listen", first.address)
             assert done.code == 1, done.err
             assert done.err_lines == [
-                f"openengine-sidecar: mock-engine: cannot serve on {first.address}: "
+                f"openengine-sidecar: cannot serve on {first.address}: "
                 f"another live process serves {first.address[len('unix://') :]}"
             ]
             # the first engine still serves its path
@@ -130,7 +146,7 @@ async def test_client_errors_name_the_cause_and_the_address(tmp_path: Path) -> N
     done = await cli("generate", "--sidecar", f"ws://127.0.0.1:{port}", "hi")
     assert done.code == 1
     assert done.err_lines == [
-        f"error: cannot connect to ws://127.0.0.1:{port}/v1/ws: connection refused "
+        f"openengine-sidecar: cannot connect to ws://127.0.0.1:{port}/v1/ws: connection refused "
         "(nothing listens there: is the sidecar running?)"
     ], done.err
     done = await cli(
@@ -139,6 +155,19 @@ async def test_client_errors_name_the_cause_and_the_address(tmp_path: Path) -> N
     assert done.code == 1
     assert f"decode ws://127.0.0.1:{port + 1}/v1/ws: unreachable" in done.err, done.err
     assert f"prefill ws://127.0.0.1:{port}/v1/ws: unreachable" in done.err, done.err
+
+
+async def test_generate_at_the_http_port_is_told_so(aio_loop: Any, tmp_path: Path) -> None:
+    """It said "HTTP 403", which read like an authorization problem."""
+    with trio.fail_after(60):
+        async with mock_engine(tmp_path) as engine, sidecar(engine.address, "--no-kv-events") as sc:
+            port = sc.http.rsplit(":", 1)[1]
+            done = await cli("generate", "--sidecar", f"ws://127.0.0.1:{port}", "hi")
+    assert done.code == 1
+    assert done.err_lines == [
+        f"openengine-sidecar: cannot connect to ws://127.0.0.1:{port}/v1/ws: that is the sidecar's HTTP "
+        "port (probes, metrics), not its WebSocket port: connect to its --listen address (default port 8600)"
+    ], done.err
 
 
 @pytest.mark.parametrize(

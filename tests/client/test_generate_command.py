@@ -66,7 +66,7 @@ async def test_connection_lost(fake: FakeSidecar) -> None:
         status, out, err = await run(fake.url, "die")
     assert status == 1
     assert out == "x\n"
-    assert err.startswith("error: connection to sidecar closed (1011")
+    assert err.startswith("openengine-sidecar: connection to sidecar closed (1011")
 
 
 async def test_connection_refused() -> None:

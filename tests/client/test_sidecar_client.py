@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import trio
+from trio_websocket import WebSocketRequest, serve_websocket
 
 from sidecar.client import (
     SidecarCallError,
@@ -14,6 +17,8 @@ from sidecar.client import (
 )
 from sidecar.north import wire
 from sidecar.north.codec import CallCommand, Encoding, GenerateCommand
+from sidecar.north.http import build_app
+from sidecar.north.http_server import serve_http
 from sidecar.openengine import pb
 from tests.client.fake_sidecar import SESSION_BYTES, FakeSidecar
 
@@ -276,6 +281,69 @@ async def test_connect_failure() -> None:
         with pytest.raises(SidecarConnectionError, match="cannot connect"):
             async with open_sidecar(f"ws://127.0.0.1:{port}", connect_timeout=2):
                 pass
+
+
+class _ReadyHost:
+    """What the HTTP app reads from the core."""
+
+    draining = False
+    load = None
+
+    def not_ready_reason(self) -> str | None:
+        return None
+
+    def current_card(self) -> Any:
+        return {}
+
+
+async def test_the_http_port_is_named_as_the_wrong_port() -> None:
+    """``generate`` pointed at the HTTP port said "HTTP 403", which read like an auth problem."""
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(serve_http, build_app(_ReadyHost(), auth_token="t"), "127.0.0.1:0")
+            url = f"ws://127.0.0.1:{port}/v1/ws"
+            with pytest.raises(SidecarConnectionError) as caught:
+                async with open_sidecar(url, connect_timeout=5):
+                    pass
+            nursery.cancel_scope.cancel()
+    assert str(caught.value) == (
+        f"cannot connect to {url}: that is the sidecar's HTTP port (probes, metrics), not its "
+        "WebSocket port: connect to its --listen address (default port 8600)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "said"),
+    [
+        (403, b"", "refused with HTTP 403 Forbidden: is it the address of a sidecar's --listen"),
+        (404, b"no\x1b[31m\nsuch", "HTTP 404 Not Found (no\\x1b[31m\\nsuch): is it the address"),
+        (
+            503,
+            b"too many connections (per-peer)\n",
+            "HTTP 503 Service Unavailable (too many connections (per-peer))",
+        ),
+    ],
+)
+async def test_a_refused_handshake_says_what_answered(status: int, body: bytes, said: str) -> None:
+    """A server that is no sidecar's WebSocket listener (or one at capacity): the status in words,
+    its body escaped, and where a sidecar's WebSocket port is unless it was one at capacity."""
+
+    async def refuse(request: WebSocketRequest) -> None:
+        await request.reject(status, body=body)
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            server = await nursery.start(serve_websocket, refuse, "127.0.0.1", 0, None)
+            url = f"ws://127.0.0.1:{server.port}/v1/ws"
+            with pytest.raises(SidecarConnectionError) as caught:
+                async with open_sidecar(url, connect_timeout=5):
+                    pass
+            nursery.cancel_scope.cancel()
+    message = str(caught.value)
+    assert message.startswith(f"cannot connect to {url}: the WebSocket handshake was refused"), message
+    assert said in message, message
+    assert "\n" not in message and "\x1b" not in message
+    assert ("--listen" in message) == (status != 503), message
 
 
 async def test_protocol_error_reply_for_bad_request_ends_the_stream(fake: FakeSidecar) -> None:

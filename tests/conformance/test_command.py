@@ -34,7 +34,7 @@ async def test_list_usage_and_unreachable() -> None:
     half = await _cli("--prefill", "127.0.0.1:1")
     assert half.returncode == 2 and b"go together" in half.stderr
     gone = await _cli("--engine", "127.0.0.1:1", "--connect-timeout", "2")
-    assert gone.returncode == 2 and b"conformance: --engine 127.0.0.1:1" in gone.stderr
+    assert gone.returncode == 2 and b"openengine-sidecar: --engine 127.0.0.1:1" in gone.stderr
     typo = await _cli("--engine", "127.0.0.1:1", "--only", "genrate")
     assert typo.returncode == 2 and b"matches no check" in typo.stderr
 

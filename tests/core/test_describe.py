@@ -158,7 +158,10 @@ async def test_cli_failures(engine: RunningServer) -> None:
     assert done.stdout == b""
     err = done.stderr.decode().strip()
     assert "\n" not in err
-    assert err.startswith("describe: negotiation with") and "'main', not an immutable schema release" in err
+    assert (
+        err.startswith("openengine-sidecar: negotiation with")
+        and "'main', not an immutable schema release" in err
+    )
     # problems: the card is printed, the reason goes to stderr, exit 1
     info2, _ = vllm_info(R.DECODE)
     info2.kv_connector = None

@@ -7,6 +7,7 @@ mock's encoder. The expected events come from the cache's ground truth records.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -274,6 +275,25 @@ async def test_replay_start_older_than_buffer_returns_oldest(aio_loop: Any, zctx
             assert [seq for seq, _ in replayed] == [3, 4, 5]
             assert await replay(zctx, endpoint, 5, style="vllm") == replayed[2:]
             assert await replay(zctx, endpoint, 6, style="vllm") == []  # only the end marker
+
+
+async def test_an_idle_replay_is_not_logged_at_info(
+    aio_loop: Any, zctx: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sidecar's silence probe asks for newer batches every --kv-silence-probe seconds while
+    the engine is idle: that was an INFO line every 10 s. A replay that sends batches still is."""
+    caplog.set_level(logging.DEBUG, logger="sidecar.mock.kvevents")
+    with trio.fail_after(10):
+        async with await open_events(ranks=1, port=0, buffer_steps=3) as events:
+            KvCache(0, 4, 100, events).allocate([1] * 4)
+            endpoint = events.sources().sources[0].replay_endpoint
+            for _ in range(3):
+                assert await replay(zctx, endpoint, 1, style="vllm") == []  # nothing new
+            assert len(await replay(zctx, endpoint, 0, style="vllm")) == 1
+    replays = [r for r in caplog.records if "replay from" in r.getMessage()]
+    assert [(r.levelno, r.getMessage()) for r in replays] == [
+        (logging.DEBUG, "KV events rank 0: replay from 1: 0 batches")
+    ] * 3 + [(logging.INFO, "KV events rank 0: replay from 0: 1 batches (first 0)")]
 
 
 async def _faulted(

@@ -20,11 +20,13 @@ import hypercorn.trio.tcp_server
 import pytest
 import trio
 import trustme
+from trio_websocket import ConnectionRejected, open_websocket_url
 
 from sidecar.core.metrics import HTTP_FAILURES, LIMIT_REFUSALS
+from sidecar.north import wire
 from sidecar.north._hypercorn_internals import Http11Only
 from sidecar.north.auth import bearer_matches
-from sidecar.north.http import build_app
+from sidecar.north.http import NOT_THE_WEBSOCKET_PORT, build_app
 from sidecar.north.http_server import HttpLimits, serve_http
 
 
@@ -356,3 +358,21 @@ async def test_tls_connections_count_from_the_accept(tmp_path: Path) -> None:
             assert refusals("http_connections_per_peer") - before == 6 + 1
             for s in silent:
                 await s.aclose()
+
+
+@pytest.mark.parametrize("token", [None, "s3cret"])
+async def test_a_websocket_handshake_is_told_which_port_serves_websockets(token: str | None) -> None:
+    """A client pointed at this port instead of --listen got Starlette's 403, which read like an
+    authorization failure: 400, a body naming the right port, and the header the client reads
+    (the same with a token: the answer says nothing about authorization)."""
+    with trio.fail_after(20):
+        async with listener(token=token) as port:
+            for path in ("/v1/ws", "/", "/metrics"):
+                with pytest.raises(ConnectionRejected) as caught:
+                    async with open_websocket_url(f"ws://127.0.0.1:{port}{path}"):
+                        pass
+                rejected = caught.value
+                assert rejected.status_code == 400, path
+                assert (wire.LISTENER_HEADER.encode(), b"http") in rejected.headers
+                assert rejected.body == NOT_THE_WEBSOCKET_PORT.encode()
+            assert (await get(port, headers={"authorization": f"Bearer {token}"})).status_code == 200

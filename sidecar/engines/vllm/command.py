@@ -17,6 +17,7 @@ from typing import Any
 import click
 
 from sidecar.addresses import parse_listen
+from sidecar.cli_common import CommandError
 from sidecar.cli_options import HostName, NewFile, command_option, env_name
 from sidecar.engines.vllm.config import VllmSettings
 
@@ -103,18 +104,25 @@ def _block_size(_ctx: click.Context, _param: click.Parameter, value: int | None)
 )
 def vllm_engine(**kw: Any) -> None:
     """Serve stock vLLM (CPU build) as an OpenEngine v1 engine."""
-    if importlib.util.find_spec("vllm") is None:
-        raise click.ClickException(EXTRA_MISSING)
     model: Path = kw.pop("model")
-    if kw.pop("build_tiny_model"):
+    build = kw.pop("build_tiny_model")
+
+    def check_model() -> None:
+        if not (model / "config.json").is_file():
+            raise click.BadParameter(f"{model} has no config.json (a model directory)", param_hint="--model")
+
+    if not build:
+        check_model()  # a usage error whether or not the extra is installed
+    if importlib.util.find_spec("vllm") is None:
+        raise CommandError(EXTRA_MISSING)
+    if build:
         from sidecar.engines.vllm.tiny_model import build_tiny_model
 
         try:
             build_tiny_model(model)
         except FileExistsError as err:
             raise click.BadParameter(str(err), param_hint="--model") from None
-    if not (model / "config.json").is_file():
-        raise click.BadParameter(f"{model} has no config.json (a model directory)", param_hint="--model")
+        check_model()
     ready_file = kw.pop("ready_file")
     settings = VllmSettings(model=str(model), served_model_names=tuple(kw.pop("served_model_names")), **kw)
 
@@ -133,7 +141,7 @@ def vllm_engine(**kw: Any) -> None:
     try:
         asyncio.run(main())
     except OSError as err:
-        raise click.ClickException(f"cannot serve on {settings.listen}: {err}") from None
+        raise CommandError(f"cannot serve on {settings.listen}: {err}") from None
 
 
 if __name__ == "__main__":  # engine processes are spawned: they re-import the main module
