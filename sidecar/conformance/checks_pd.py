@@ -62,11 +62,15 @@ def _judge_decode(h: Handoff) -> None:
             if e.error is not None:
                 h.problems.append(f"decode EngineError {pb.ErrorCode(e.error.code).name}: {e.error.message}")
     for rule in (
+        rules.request_id_violations,
+        rules.event_violations,
         rules.output_index_violations,
         rules.finish_count_violations,
         rules.after_finish_violations,
         rules.usage_violations,
         rules.max_tokens_violations,
+        rules.close_violations,
+        rules.wire_violations,
     ):
         h.problems += rule(rec)
 
@@ -77,6 +81,14 @@ def _judge_prefill(h: Handoff, pkv: pb.KvConnectorInfo) -> pb.KvSessionRef | Non
     last = rec.events[-1] if rec.events else None
     ready = last.prefill_ready if last is not None else None
     h.problems += rules.finish_count_violations(rec, prefill=True) + rules.usage_violations(rec)
+    for rule in (
+        rules.request_id_violations,
+        rules.event_violations,
+        rules.after_finish_violations,
+        rules.close_violations,
+        rules.wire_violations,
+    ):
+        h.problems += rule(rec)
     if rec.end != "ok" or ready is None or ready.kv_session is None:
         h.problems.append(
             f"the prefill did not end with PrefillReady{{kv_session}}: {rec.summary()} {rec.error}"
