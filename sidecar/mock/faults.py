@@ -79,6 +79,9 @@ checks can be shown to fail:
                             carries no event.
 ``kv-event-after-error``    a ``SubscribeKvEvents`` stream with ``include_snapshot`` sends,
                             after its snapshot, an ``EngineError`` and then one more batch.
+``session-foreign-rank``    PrefillReady's ``kv_session`` names ``dp_rank`` = the DP size (a
+                            rank neither engine of a one-rank pair has; the simulated decode
+                            engine ignores it).
 ``kv-undecodable``          the first KV batch of each DP rank carries one more event that
                             does not decode (gRPC: a ``KvEvent`` with none set; ZMQ: an
                             integer where an event belongs).
@@ -192,6 +195,7 @@ ENGINE_FLAGS = frozenset(
         "kv-empty-response",
         "kv-event-after-error",
         "kv-undecodable",
+        "session-foreign-rank",
     }
 )
 ENGINE_FAULTS = (

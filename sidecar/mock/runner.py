@@ -360,6 +360,8 @@ async def _hand_off(stream: _Stream) -> None:
             transfer_backend=spec.transfer_backend,
         )
     ref = schemas.advertise(engine.config, ref)
+    if engine.config.faults.has("session-foreign-rank"):
+        ref.dp_rank = engine.config.dp_size
     await stream.send(ev.prefill_ready_event(req.id, ref, stream.usage()))
 
 

@@ -122,6 +122,18 @@ async def test_pd_handoff_fails(aio_loop: Any) -> None:
     assert "INTERNAL" in " ".join(result.details)
 
 
+async def test_pd_handoff_fails_on_a_session_a_decode_sidecar_refuses(aio_loop: Any) -> None:
+    """The decode engine takes a session naming a DP rank it lacks; a sidecar in front of it would not."""
+    async with (
+        mock("vllm", "prefill", ("session-foreign-rank",), kv_events="none") as pre,
+        mock("vllm", "decode", kv_events="none") as dec,
+    ):
+        report = await suite(engine=pre.address, prefill=pre.address, decode=dec.address, only=("pd",))
+    assert ids(report, Status.FAIL) == ["pd.handoff"], explain(report)
+    result = report.results[0]
+    assert "a decode sidecar refuses" in result.reason and "dp_rank 1 is not a DP rank" in result.reason
+
+
 async def test_no_drain_skips_the_drain_checks(aio_loop: Any) -> None:
     """An engine that does not implement Drain is not failed for it: the checks skip, saying why."""
     async with mock("vllm", "aggregated", ("no-drain",)) as engine:
