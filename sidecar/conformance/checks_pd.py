@@ -75,6 +75,7 @@ def _judge_decode(h: Handoff) -> None:
         rules.finish_count_violations,
         rules.after_finish_violations,
         rules.usage_violations,
+        rules.prompt_once_violations,
         rules.max_tokens_violations,
         rules.close_violations,
         rules.wire_violations,
@@ -91,7 +92,9 @@ def _judge_prefill(h: Handoff, pkv: pb.KvConnectorInfo) -> pb.KvSessionRef | Non
     for rule in (
         rules.request_id_violations,
         rules.event_violations,
+        rules.output_index_violations,
         rules.after_finish_violations,
+        rules.prompt_once_violations,
         rules.close_violations,
         rules.wire_violations,
     ):
