@@ -163,3 +163,52 @@ async def max_tokens(ctx: Context) -> str | None:
     if not records:
         raise Skip(f"no TokenOutput observed ({corpus.mode} engine)")
     return _judge(corpus, records, rules.max_tokens_violations)
+
+
+@check(
+    "generate.request-id",
+    rule="every GenerateResponse names the request_id of its own request (or leaves it empty)",
+    ref=GENERATION,
+)
+async def request_id(ctx: Context) -> str | None:
+    corpus = await get_corpus(ctx)
+    if not corpus.answered:
+        raise Skip(f"no accepted stream ({corpus.mode} engine)")
+    return _judge(corpus, corpus.answered, rules.request_id_violations)
+
+
+@check(
+    "generate.one-event",
+    rule="every GenerateResponse carries one event (prompt, token, prefill_ready, finished or error)",
+    ref=GENERATION,
+)
+async def one_event(ctx: Context) -> str | None:
+    corpus = await get_corpus(ctx)
+    if not corpus.answered:
+        raise Skip(f"no accepted stream ({corpus.mode} engine)")
+    return _judge(corpus, corpus.answered, rules.event_violations)
+
+
+@check(
+    "generate.closes-ok",
+    rule="an accepted stream ends with its terminal event and the call then closes with status OK at "
+    "once: no non-OK status or reset after the first event, no stream left open or silent",
+    ref=ERRORS,
+)
+async def closes_ok(ctx: Context) -> str | None:
+    corpus = await get_corpus(ctx)
+    records = [r for r in corpus.records if not r.refused and r.end != "left"]
+    if not records:
+        raise Skip(f"no accepted stream ({corpus.mode} engine)")
+    return _judge(corpus, records, rules.close_violations)
+
+
+@check(
+    "generate.wire-format",
+    rule="every Generate message is one a gRPC client takes by default: a GenerateResponse that "
+    "decodes, uncompressed (none negotiated), at most 4 MiB",
+    ref=GENERATION,
+)
+async def wire_format(ctx: Context) -> str | None:
+    corpus = await get_corpus(ctx)
+    return _judge(corpus, corpus.records, rules.wire_violations)

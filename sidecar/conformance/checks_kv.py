@@ -1,4 +1,4 @@
-"""KV events: sequence contiguity, rank attribution, snapshot and resume.
+"""KV events: sequence contiguity, rank attribution, snapshot and resume, well-formed streams.
 
 The checks make the engine store blocks with one-token requests whose prompts are fresh
 random token ids (so no prefix cache hides them), routed to each DP rank with
@@ -7,6 +7,8 @@ random token ids (so no prefix cache hides them), routed to each DP rank with
 the run-wide monitor (``kv_watch.open_monitor``): every batch since the run began, so a gap
 anywhere before it — in a warm-up, in another check — is its finding. ``kv.rank`` stores
 once more when its batch was lost in such a gap (and passes or fails on rank attribution).
+``kv.well-formed``, after it, judges what every subscription of the run received against
+what the KV bridge takes (``kv_watch.kv_problems``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from sidecar.conformance.kv_watch import (
     KvWatcher,
     SeenBatch,
     kv_monitor,
+    kv_problems,
     kv_sources,
     kv_transport,
     open_watcher,
@@ -255,8 +258,31 @@ async def _sequence(ctx: Context, w: KvWatcher, ranks: list[int]) -> str:
     problems += [f"rank {r}: only {len(seen[r])} batch(es) arrived" for r in ranks if len(seen[r]) < 2]
     if w.ended:
         problems.append(f"a KV event stream ended while watched: {w.ended}")
-    problems += w.problems
     require(not problems, problems[0] if problems else "", problems)
     return f"{w.transport}: " + ", ".join(
         f"rank {r} batches {seen[r][0].seq}…{seen[r][-1].seq} ({len(seen[r])})" for r in ranks
     )
+
+
+@check(
+    "kv.well-formed",
+    rule="every KV event message is one the KV bridge takes: a SubscribeKvEventsResponse carries a batch "
+    "or a terminal EngineError, nothing follows that error, every batch (or ZMQ message) decodes",
+    ref=KV,
+)
+async def well_formed(ctx: Context) -> str | None:
+    ranks = await watch_ranks(ctx)
+    transport = await kv_transport(ctx)
+    watched = kv_monitor(ctx)
+    if watched is None:  # not in a run that watches from the start: watch now
+        async with open_watcher(ctx) as watched:
+            await warm_up(ctx, watched, ranks)
+    else:
+        await warm_up(ctx, watched, ranks)
+    if transport == "grpc":  # a snapshot subscription too: what follows a snapshot counts
+        async with open_watcher(ctx, ranks=ranks[:1], snapshot=True) as snap:
+            if await snap.wait(lambda w: bool(w.batches), WAIT):
+                await snap.wait(lambda w: bool(w.ended), WARM_WAIT)
+    problems = kv_problems(ctx)
+    require(not problems, problems[0] if problems else "", problems)
+    return f"{transport}: {len(watched.batches)} batch(es) from ranks {ranks}, every subscription well-formed"

@@ -5,7 +5,10 @@ in ``PrefillReady{kv_session}``; the decode request carries that session unchang
 Client-bootstrap pairs (SGLang): the suite creates a room, takes the endpoint from the
 prefill's ``kv_connector.local_endpoints``, puts the same ``KvBootstrap`` on both requests
 and sends them at once. Afterwards (context-first only) the consumed session is offered to
-decode once more; that stream feeds ``generate.nothing-after-error``.
+decode once more; that stream feeds ``generate.nothing-after-error``. A context-first
+session is also judged as a decode sidecar judges it before its engine sees it: the
+sidecar's own envelope check (``sidecar.core.handoff.check_decode_session``) against the
+decode engine's card, discovered as the sidecar discovers it.
 """
 
 from __future__ import annotations
@@ -17,8 +20,12 @@ from sidecar.conformance import streams as rules
 from sidecar.conformance.context import Context
 from sidecar.conformance.model import Fail, Skip, check, require
 from sidecar.conformance.streams import StreamRecord
+from sidecar.core.discovery import discover
+from sidecar.core.errors import DiscoveryError, Rejection, error_code_name
+from sidecar.core.handoff import check_decode_session
 from sidecar.nursery import open_background_nursery
 from sidecar.openengine import pb
+from sidecar.openengine.errors import EngineClientError
 from sidecar.openengine.revision import spec_url
 
 PD = spec_url("disaggregated-serving-and-kv-api")
@@ -62,11 +69,16 @@ def _judge_decode(h: Handoff) -> None:
             if e.error is not None:
                 h.problems.append(f"decode EngineError {pb.ErrorCode(e.error.code).name}: {e.error.message}")
     for rule in (
+        rules.request_id_violations,
+        rules.event_violations,
         rules.output_index_violations,
         rules.finish_count_violations,
         rules.after_finish_violations,
         rules.usage_violations,
+        rules.prompt_once_violations,
         rules.max_tokens_violations,
+        rules.close_violations,
+        rules.wire_violations,
     ):
         h.problems += rule(rec)
 
@@ -77,6 +89,16 @@ def _judge_prefill(h: Handoff, pkv: pb.KvConnectorInfo) -> pb.KvSessionRef | Non
     last = rec.events[-1] if rec.events else None
     ready = last.prefill_ready if last is not None else None
     h.problems += rules.finish_count_violations(rec, prefill=True) + rules.usage_violations(rec)
+    for rule in (
+        rules.request_id_violations,
+        rules.event_violations,
+        rules.output_index_violations,
+        rules.after_finish_violations,
+        rules.prompt_once_violations,
+        rules.close_violations,
+        rules.wire_violations,
+    ):
+        h.problems += rule(rec)
     if rec.end != "ok" or ready is None or ready.kv_session is None:
         h.problems.append(
             f"the prefill did not end with PrefillReady{{kv_session}}: {rec.summary()} {rec.error}"
@@ -89,6 +111,22 @@ def _judge_prefill(h: Handoff, pkv: pb.KvConnectorInfo) -> pb.KvSessionRef | Non
             f"connector advertises {pkv.handoff_profile!r}"
         )
     return session
+
+
+async def _refused_by_decode_sidecar(ctx: Context, session: pb.KvSessionRef) -> list[str]:
+    """Why a sidecar in front of the decode engine would refuse ``session`` (empty: it takes it)."""
+    try:
+        card = await discover(ctx.client("decode"), strict=False)
+    except (DiscoveryError, EngineClientError) as err:
+        return [f"the decode engine cannot be discovered as a sidecar discovers it: {err}"]
+    try:
+        check_decode_session(session, card)
+    except Rejection as rej:
+        return [
+            f"a decode sidecar refuses PrefillReady's kv_session before its engine sees it: "
+            f"{error_code_name(rej.code)}: {rej.message}"
+        ]
+    return []
 
 
 async def handoff(ctx: Context) -> Handoff:
@@ -117,6 +155,7 @@ async def _run(ctx: Context) -> Handoff:
     session = _judge_prefill(h, pkv)
     if session is None:
         return h
+    h.problems += await _refused_by_decode_sidecar(ctx, session)
     dreq = await ctx.request("pd-decode", which="prefill", prompt=PROMPT, max_tokens=8, session=session)
     h.decode = await ctx.record(dreq, which="decode", label="pd-decode", timeout=TIMEOUT)
     _judge_decode(h)
@@ -152,8 +191,9 @@ async def _bootstrap(ctx: Context, pkv: pb.KvConnectorInfo) -> Handoff:
 
 @check(
     "pd.handoff",
-    rule="a prefill ends in PrefillReady{kv_session} with the connector's handoff profile; a decode given "
-    "that session unchanged (or the same client bootstrap) generates tokens under the stream rules",
+    rule="a prefill ends in PrefillReady{kv_session} with the connector's handoff profile, a session a "
+    "decode sidecar admits; a decode given that session unchanged (or the same client bootstrap) "
+    "generates tokens under the stream rules",
     ref=PD,
 )
 async def pd_handoff(ctx: Context) -> str | None:

@@ -19,10 +19,15 @@ from typing import Any
 import trio
 
 from sidecar.conformance.model import Fail, Skip
-from sidecar.conformance.streams import StreamRecord, kind
+from sidecar.conformance.streams import StreamRecord, kind, terminal_position
 from sidecar.openengine import pb
 from sidecar.openengine.client import EngineClient, MetadataLike
-from sidecar.openengine.errors import EngineClientError, EngineStatusError, EngineUnavailable
+from sidecar.openengine.errors import (
+    EngineClientError,
+    EngineProtocolError,
+    EngineStatusError,
+    EngineUnavailable,
+)
 
 __all__ = ["Context", "LiveStream", "SuiteOptions"]
 
@@ -30,6 +35,9 @@ PROMPT = "The quick brown fox jumps over the lazy dog while the five boxing wiza
 #: Token ids used for token-id prompts: common ids in any real vocabulary, clear of the low specials.
 TOKEN_BASE = 1000
 TOKEN_SPAN = 1000
+#: How long a call may stay open after its terminal event (the engine closes it at once; the
+#: sidecar fails a stream silent for ``--inactivity-timeout``, 30 s by default).
+CLOSE_WITHIN = 3.0
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,9 @@ class LiveStream:
         except EngineStatusError as err:
             self.done, rec.end, rec.status, rec.status_message = True, "status", err.status, err.message
             return None
+        except EngineProtocolError as err:  # a message the client cannot take: not a lost engine
+            self.done, rec.end, rec.error = True, "protocol", str(err)
+            return None
         except (EngineUnavailable, EngineClientError) as err:
             self.done, rec.end, rec.error = True, "transport", str(err)
             if self._on_transport is not None:
@@ -88,13 +99,26 @@ class LiveStream:
                     return event
         return None
 
-    async def rest(self, timeout: float) -> bool:
-        """Read to the end of the call; False (and ``end = "timeout"``) if it did not end in time."""
-        with trio.move_on_after(timeout):
-            while await self.next() is not None:
-                pass
-            return True
-        self.record.end = "timeout"
+    async def rest(self, timeout: float, *, close_within: float = CLOSE_WITHIN) -> bool:
+        """Read to the end of the call; False (and ``end = "timeout"``, ``gave_up`` saying why) if
+        it did not end within ``timeout``, or within ``close_within`` of its terminal event."""
+        rec = self.record
+        closing = False
+        with trio.move_on_after(timeout) as scope:
+            ends = True  # whether the last event read may have been the terminal one
+            while True:
+                if not closing and ends and terminal_position(rec) is not None:
+                    scope.deadline = min(scope.deadline, trio.current_time() + close_within)
+                    closing = True
+                if (event := await self.next()) is None:
+                    return True
+                ends = kind(event) in ("finished", "prefill_ready", "error")
+        self.done, rec.end = True, "timeout"
+        rec.gave_up = (
+            f"not closed within {close_within:g} s of its terminal event"
+            if closing
+            else f"did not end within {timeout:g} s"
+        )
         return False
 
 

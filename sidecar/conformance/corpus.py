@@ -74,7 +74,7 @@ async def _add(ctx: Context, corpus: Corpus, label: str, req: pb.GenerateRequest
     if rec.refused:
         corpus.notes.append(f"{label}: refused with status {rec.status} ({rec.status_message})")
     elif rec.end == "timeout":
-        corpus.notes.append(f"{label}: did not end within 20 s")
+        corpus.notes.append(f"{label}: {rec.gave_up}")
     return rec
 
 
@@ -122,6 +122,7 @@ async def _aborted(ctx: Context, corpus: Corpus) -> None:
     async with ctx.open(req, label="aborted") as live:
         first = await live.until(("token", "finished", "error"), ABORT_WAIT)
         if first is not None and kind(first) == "token":
+            live.record.aborted = True
             outcome = await ctx.abort(request_id=req.request_id)
             live.record.notes.append(f"Abort answered {outcome}")
             await live.rest(ABORT_WAIT)
@@ -144,6 +145,7 @@ async def _bootstrap_prefill(ctx: Context) -> Corpus:
     async with ctx.open(req, label="aborted") as live:
         if baseline is not None:
             await ctx.wait_busy(baseline, ABORT_WAIT)
+        live.record.aborted = True
         outcome = await ctx.abort(request_id=req.request_id)
         live.record.notes.append(f"Abort answered {outcome}")
         await live.rest(ABORT_WAIT)

@@ -2,7 +2,9 @@
 
 :func:`open_watcher` subscribes for the duration of an ``async with`` block and records
 every batch (its sequence number, the rank it reports, the rank of the source it came
-from, its events normalized by the KV bridge's decoders). Native
+from, its events normalized by the KV bridge's decoders), and as ``problems`` everything the
+KV bridge would refuse: a response with no event, anything after a terminal ``EngineError``,
+a message the client cannot take, a batch or ZMQ message that does not decode. Native
 (``SubscribeKvEvents``) is used when the engine advertises a ``grpc`` source or none at
 all; otherwise one ZMQ SUB per advertised ``zmq`` source.
 
@@ -12,7 +14,8 @@ after the block started are not lost to a late join.
 
 :func:`open_monitor` holds one watcher for a whole conformance run (opened before the first
 check): ``kv.sequence`` judges contiguity over every batch from the first one the engine
-published, wherever in the run a gap happened (:func:`kv_monitor`).
+published, wherever in the run a gap happened (:func:`kv_monitor`). The problems of every
+watcher of a run are kept (:func:`kv_problems`).
 
 Resources: the gRPC stream or the ZMQ context and its sockets, all closed (``linger=0``)
 when the block ends; receiving runs in a nursery owned by the block.
@@ -38,7 +41,7 @@ from sidecar.kvbridge.replay import parse_upstream_reply, seq_bytes
 from sidecar.kvbridge.zmqio import recv_multipart
 from sidecar.nursery import open_background_nursery
 from sidecar.openengine import pb
-from sidecar.openengine.errors import EngineClientError, EngineStatusError
+from sidecar.openengine.errors import EngineClientError, EngineProtocolError, EngineStatusError
 
 PROBE = 0.5
 #: Longest wait for a ZMQ subscriber's handshake with its publisher.
@@ -48,6 +51,7 @@ __all__ = [
     "KvWatcher",
     "SeenBatch",
     "kv_monitor",
+    "kv_problems",
     "kv_sources",
     "kv_transport",
     "open_monitor",
@@ -154,30 +158,45 @@ async def _native(
     task_status: trio.TaskStatus[None],
 ) -> None:
     task_status.started()
+    terminal = ""
     try:
         async with ctx.client().subscribe_kv_events(request, checked=False) as stream:
             async for resp in stream:
                 name, value = betterproto2.which_one_of(resp, "event")
-                if name == "batch" and isinstance(value, pb.KvEventBatch):
+                if terminal:  # read on: nothing may follow the terminal EngineError
+                    watcher.problems.append(
+                        f"rank {rank}: a {name or 'response with no event'} after {terminal}"
+                    )
+                elif name == "batch" and isinstance(value, pb.KvEventBatch):
                     watcher._add(
-                        SeenBatch(value.sequence_number, value.data_parallel_rank, rank, _events(value))
+                        SeenBatch(
+                            value.sequence_number,
+                            value.data_parallel_rank,
+                            rank,
+                            _events(watcher, rank, value),
+                        )
                     )
                 elif name == "error" and isinstance(value, pb.EngineError):
-                    watcher._end(f"terminal EngineError {pb.ErrorCode(value.code).name}: {value.message}")
-                    return
+                    terminal = f"terminal EngineError {pb.ErrorCode(value.code).name}: {value.message}"
+                    watcher._end(terminal)
                 else:
-                    watcher.problems.append("a SubscribeKvEventsResponse with no event")
-        watcher._end("closed OK")
+                    watcher.problems.append(f"rank {rank}: a SubscribeKvEventsResponse with no event")
+        watcher._end(terminal or "closed OK")
     except EngineStatusError as err:
         watcher._end(f"status {err.status}")
+    except EngineProtocolError as err:
+        watcher.problems.append(f"rank {rank}: a message the client cannot take: {err}")
+        watcher._end(f"unreadable message: {err}")
     except EngineClientError as err:
         watcher._end(f"transport: {err}")
 
 
-def _events(batch: pb.KvEventBatch) -> list[KvEvent]:
+def _events(watcher: KvWatcher, rank: int, batch: pb.KvEventBatch) -> list[KvEvent]:
+    """The batch's events as the KV bridge decodes them (none, and a problem, if it cannot)."""
     try:
         return batch_from_proto(batch).events
-    except KvDecodeError:
+    except KvDecodeError as err:
+        watcher.problems.append(f"rank {rank}: batch {batch.sequence_number} does not decode ({err})")
         return []
 
 
@@ -185,7 +204,9 @@ async def _zmq_one(sock: zmq.Socket, rank: int, watcher: KvWatcher, decoder: Msg
     while True:
         frames = await recv_multipart(sock)
         if len(frames) != 3 or len(frames[1]) != 8:
-            watcher.problems.append(f"rank {rank}: a message with {len(frames)} frames")
+            watcher.problems.append(
+                f"rank {rank}: a message of {len(frames)} frame(s), not topic, 8-byte sequence number, payload"
+            )
             continue
         try:
             batch = decoder.decode(frames[2])
@@ -214,6 +235,7 @@ async def open_watcher(
     zmq_sources = _zmq_sources(sources)
     if zmq_sources is None:
         watcher = KvWatcher("grpc")
+        ctx.cache.setdefault("kv_watchers", []).append(watcher)
         async with open_background_nursery() as nursery:
             for rank in ranks or await ctx.dp_ranks():
                 request = pb.SubscribeKvEventsRequest(
@@ -230,6 +252,7 @@ async def open_watcher(
                 nursery.cancel_scope.cancel()
         return
     watcher = KvWatcher("zmq")
+    ctx.cache.setdefault("kv_watchers", []).append(watcher)
     zctx = zmq.Context()
     socks: list[zmq.Socket] = []
     monitors: list[zmq.Socket] = []
@@ -286,6 +309,12 @@ def kv_monitor(ctx: Context) -> KvWatcher | None:
     if isinstance(cached, Exception):
         raise cached
     return cached  # type: ignore[no-any-return]
+
+
+def kv_problems(ctx: Context) -> list[str]:
+    """What every watcher of the run found the KV bridge would refuse (see the module doc)."""
+    watchers: list[KvWatcher] = ctx.cache.get("kv_watchers", [])
+    return [p for w in watchers for p in w.problems]
 
 
 async def replay(source: pb.KvEventSource, start: int, timeout: float = 3.0) -> tuple[list[int], str]:

@@ -4,7 +4,9 @@ The EngineClient stops at the first broken rule; here every rule is its own func
 a whole recorded stream, so each conformance check reports exactly the rule it names and
 one misbehaviour does not mask another. Rules: the schema's api.md, "Generation API" (output
 scope, finishes, ``Usage``, ``PromptOutput``, ``stop_match``) and "Standard errors"
-(``EngineError`` is terminal; the stream then closes OK).
+(``EngineError`` is terminal; the stream then closes OK). The sidecar's own checker of the
+same rules is :mod:`sidecar.openengine.stream_rules`; every rule it enforces has its function
+here (its ``CONFORMANCE_CHECKS`` names the check that applies it).
 """
 
 from __future__ import annotations
@@ -20,16 +22,20 @@ __all__ = [
     "StreamRecord",
     "after_error_violations",
     "after_finish_violations",
+    "close_violations",
+    "event_violations",
     "finish_count_violations",
     "kind",
     "lost_violations",
     "max_tokens_violations",
     "output_index_violations",
     "prompt_once_violations",
+    "request_id_violations",
     "stop_match_violations",
     "terminal_position",
     "tokens_per_output",
     "usage_violations",
+    "wire_violations",
 ]
 
 
@@ -45,8 +51,9 @@ class StreamRecord:
 
     ``end`` is how the call ended: ``ok`` (the engine closed it with status OK),
     ``status`` (a non-OK gRPC status, in ``status``/``status_message``), ``transport``
-    (connection lost: ``error``), ``timeout`` (we gave up waiting) or ``left`` (we closed
-    it on purpose).
+    (connection lost: ``error``), ``protocol`` (a message the client cannot take:
+    ``error``), ``timeout`` (we gave up waiting: ``gave_up`` says after what) or ``left`` (we
+    closed it on purpose). ``aborted``: we sent an Abort for it.
     """
 
     label: str
@@ -56,6 +63,8 @@ class StreamRecord:
     status: str | None = None
     status_message: str = ""
     error: str = ""
+    gave_up: str = ""
+    aborted: bool = False
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -119,6 +128,64 @@ def lost_violations(rec: StreamRecord) -> list[str]:
         f"stream {rec.label!r}: the connection was lost after {len(rec.events)} event(s) with no terminal "
         f"event ({rec.error or 'transport error'})"
     ]
+
+
+def request_id_violations(rec: StreamRecord) -> list[str]:
+    """Every response names the stream's own ``request_id`` (or leaves it empty)."""
+    own = rec.request.request_id
+    return [
+        f"{rec.where(i)}: request_id {ev.request_id!r} on the stream of {own!r}"
+        for i, ev in enumerate(rec.events)
+        if ev.request_id and ev.request_id != own
+    ]
+
+
+def event_violations(rec: StreamRecord) -> list[str]:
+    """Every response carries one event (none set, or one of a field this schema lacks, is none)."""
+    return [
+        f"{rec.where(i)}: a GenerateResponse with no event" for i, ev in enumerate(rec.events) if not kind(ev)
+    ]
+
+
+def close_violations(rec: StreamRecord) -> list[str]:
+    """Once accepted (an event sent), the stream ends with its terminal event and the call then
+    closes with status OK at once: no non-OK status and no reset after acceptance, no stream
+    left open or silent.
+
+    A stream that failed (``EngineError``) is :func:`after_error_violations`' to judge; one
+    lost before its terminal, :func:`lost_violations`'; a stream we gave up on after an Abort
+    without its terminal, the cancellation checks'.
+    """
+    kinds = rec.kinds
+    if "error" in kinds or rec.end in ("ok", "left", "protocol") or rec.refused:
+        return []
+    terminal = terminal_position(rec)
+    n = len(rec.events)
+    if rec.end == "status":
+        return [
+            f"stream {rec.label!r}: ended with status {rec.status} ({rec.status_message}) after {n} event(s): "
+            "after acceptance a failure is one EngineError and the call closes OK"
+        ]
+    if rec.end == "transport":
+        if terminal is None:
+            return []  # lost_violations
+        return [
+            f"stream {rec.label!r}: the call was lost after its terminal event (#{terminal + 1}) ({rec.error})"
+        ]
+    if terminal is not None:
+        return [
+            f"stream {rec.label!r}: the call stayed open after its terminal event (#{terminal + 1}): {rec.gave_up}"
+        ]
+    if rec.aborted:
+        return []
+    return [f"stream {rec.label!r}: {rec.gave_up} ({n} event(s), no terminal)"]
+
+
+def wire_violations(rec: StreamRecord) -> list[str]:
+    """Every message of the call is one the client can take (decodes; fits the size bound)."""
+    if rec.end != "protocol":
+        return []
+    return [f"stream {rec.label!r}: after {len(rec.events)} event(s): {rec.error}"]
 
 
 def output_index_violations(rec: StreamRecord) -> list[str]:

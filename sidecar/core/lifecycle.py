@@ -51,6 +51,7 @@ from sidecar.openengine.errors import (
     EngineTerminalError,
     EngineUnavailable,
 )
+from sidecar.openengine.stream_rules import Violation, violation_of
 from sidecar.quoting import quote
 
 log = logging.getLogger(__name__)
@@ -60,12 +61,15 @@ COMPLETED, CANCELLED, FAILED, REJECTED = "completed", "cancelled", "failed", "re
 
 @dataclass(frozen=True)
 class Outcome:
-    """How a stream ended: ``kind`` is the north ``end.outcome``; ``code`` None means no error."""
+    """How a stream ended: ``kind`` is the north ``end.outcome``; ``code`` None means no error;
+    ``violation``: the engine's stream broke that rule (``Violation.check`` names the
+    conformance check covering it)."""
 
     kind: str
     code: pb.ErrorCode | None = None
     message: str = ""
     retryable: bool = False
+    violation: Violation | None = field(default=None, compare=False)
 
     @classmethod
     def from_rejection(cls, rejection: Rejection) -> Outcome:
@@ -652,11 +656,17 @@ class _Relay:
                 except (EngineStatusError, EngineUnavailable) as err:
                     before = stream.messages == 0
                     self.refused = before and isinstance(err, EngineStatusError)
-                    self.outcome = Outcome(REJECTED if before else FAILED, err.code, str(err), err.retryable)
+                    self.outcome = Outcome(
+                        REJECTED if before else FAILED,
+                        err.code,
+                        str(err),
+                        err.retryable,
+                        None if before else violation_of(err),
+                    )
                     return
                 except EngineProtocolError as err:
                     log.warning("stream %s: %s", quote(h.request_id), err)
-                    self.outcome = Outcome(FAILED, err.code, str(err), err.retryable)
+                    self.outcome = Outcome(FAILED, err.code, str(err), err.retryable, violation_of(err))
                     return
         if idle.cancelled_caught:
             if self.stream is not None and self.stream.messages:
@@ -666,7 +676,9 @@ class _Relay:
                     progress.stall(f"no event on any stream for {timeout:g}s")
             else:
                 message = f"no first event from the engine for {first:g}s"
-            self.outcome = Outcome(FAILED, pb.ErrorCode.INTERNAL, message, retryable=True)
+            self.outcome = Outcome(
+                FAILED, pb.ErrorCode.INTERNAL, message, retryable=True, violation=Violation.SILENT
+            )
         elif not h.scope.cancel_called:
             self.outcome = OUTCOME_COMPLETED
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
+from sidecar.openengine.stream_rules import Violation
+
 
 class KvBridgeError(Exception):
     """Base of every KV-bridge error."""
@@ -29,3 +33,5 @@ class KvDecodeError(KvBridgeError):
     The bridge never drops such a batch silently: it counts it and resynchronizes the rank
     (``AllBlocksCleared``) before continuing.
     """
+
+    violation: ClassVar[Violation] = Violation.KV_UNDECODABLE

@@ -13,7 +13,10 @@ request is in flight and no KV session is held. Counts are always present.
 - ``--fault no-drain``: ``UNIMPLEMENTED``.
 - Contract-violation faults: ``drain-keeps-accepting`` (ignores
   ``stop_accepting_new_requests``), ``drain-ignores-deadline`` (ignores ``deadline_ms``),
-  ``drain-early-complete`` (without a deadline: COMPLETE right after STARTED).
+  ``drain-early-complete`` (without a deadline: COMPLETE right after STARTED),
+  ``drain-event-after-complete`` (one more IN_PROGRESS after COMPLETE), ``drain-empty-event``
+  (a response with no event after STARTED), ``drain-no-complete`` (without a deadline: the
+  stream closes OK where COMPLETE belongs).
 """
 
 from __future__ import annotations
@@ -42,6 +45,21 @@ def _state(engine: MockEngine, state: pb.DrainState, message: str = "") -> pb.Dr
 
 async def drain(engine: MockEngine, request: pb.DrainRequest) -> AsyncIterator[pb.DrainResponse]:
     """The Drain stream (an async generator; refusals raise :class:`RequestRefused` before the first event)."""
+    faults = engine.config.faults
+    async for response in _drain(engine, request):
+        if response.state == pb.DrainState.COMPLETE:
+            if faults.has("drain-no-complete") and request.deadline_ms is None:
+                return
+            yield response
+            if faults.has("drain-event-after-complete"):
+                yield _state(engine, pb.DrainState.IN_PROGRESS, "after COMPLETE (fault)")
+            return
+        yield response
+        if response.state == pb.DrainState.STARTED and faults.has("drain-empty-event"):
+            yield pb.DrainResponse()
+
+
+async def _drain(engine: MockEngine, request: pb.DrainRequest) -> AsyncIterator[pb.DrainResponse]:
     if engine.config.faults.no_drain:
         raise RequestRefused("UNIMPLEMENTED", "Drain is not implemented by this engine (fault no-drain)")
     if not schemas.has(engine.config, "drain"):

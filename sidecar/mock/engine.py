@@ -192,6 +192,7 @@ class MockEngine:
         self._background: asyncio.TaskGroup | None = None  # see serving()
         self._ids = itertools.count(1)
         self._drops_left = config.faults.drop_aborts
+        self._holds_left = config.faults.hold_after_terminal
         self.slow_health_left = 0  # armed by the first accepted request (fault slow-health)
         self.hangs = Hangs()  # runtime hang switches (mock-engine: SIGUSR1 / SIGUSR2)
 
@@ -402,6 +403,15 @@ class MockEngine:
             seen[request_id] = time.time_ns() // 1000
             if len(seen) > CANCEL_TIMES_KEPT:
                 seen.popitem(last=False)
+
+    def take_hold(self) -> bool:
+        """Whether the Generate call that just sent its terminal event stays open (fault
+        ``hold-after-terminal``: the first N calls, or all)."""
+        if not self._holds_left:
+            return False
+        if self._holds_left > 0:
+            self._holds_left -= 1
+        return True
 
     def client_gone(self, req: Request) -> None:
         """The client closed the stream before the terminal: count it and leak or release."""

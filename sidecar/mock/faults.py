@@ -33,6 +33,8 @@ Engine-wide faults (``--fault``):
 ``oversized-answer[=RPC[:BYTES]]`` every answer of the ``Control`` call RPC (default
                            ``GetLoad``; ``Drain``: its first event) carries an unknown field
                            that makes it BYTES long (default 8 MiB); repeatable, one RPC each.
+``hold-after-terminal[=N]`` the first N Generate calls (default: all) stay open after their
+                           terminal event until the client leaves (no trailers).
 =========================  ================================================================
 
 Hangs (runtime switches, no ``--fault``; ``sidecar/mock/hangs.py``): ``mock-engine`` toggles a
@@ -69,6 +71,20 @@ checks can be shown to fail:
 ``drain-early-complete``    Drain without a deadline sends COMPLETE right after STARTED.
 ``lora-lenient``            LoadLora skips argument checks (id, name, absolute path).
 ``lora-not-idempotent``     loading the same adapter twice answers ALREADY_EXISTS.
+``drain-event-after-complete`` Drain sends one more IN_PROGRESS after COMPLETE.
+``drain-empty-event``       Drain sends a DrainResponse with no event right after STARTED.
+``drain-no-complete``       a Drain without a deadline closes OK once work ended, without
+                            COMPLETE.
+``kv-empty-response``       every ``SubscribeKvEvents`` stream begins with a response that
+                            carries no event.
+``kv-event-after-error``    a ``SubscribeKvEvents`` stream with ``include_snapshot`` sends,
+                            after its snapshot, an ``EngineError`` and then one more batch.
+``session-foreign-rank``    PrefillReady's ``kv_session`` names ``dp_rank`` = the DP size (a
+                            rank neither engine of a one-rank pair has; the simulated decode
+                            engine ignores it).
+``kv-undecodable``          the first KV batch of each DP rank carries one more event that
+                            does not decode (gRPC: a ``KvEvent`` with none set; ZMQ: an
+                            integer where an event belongs).
 ==========================  ===============================================================
 
 Stream faults — engine-wide with ``--fault``, or for one request through
@@ -82,6 +98,8 @@ sent on the stream (over all outputs):
 ``crash-after[=N]``            the process exits (status 70) after N token events (default 1)
 ``stall[=N]``                  stop sending after N token events (default 1); the request
                                stays running until Abort or the client leaves
+``status-after[=N]``           end the call with status INTERNAL after N token events
+                               (default 1), no terminal event
 ``no-usage``                   the final event carries no Usage
 ``token-after-finish``         one more TokenOutput for an output after its finish
 ``no-output-index``            TokenOutput events carry no ``output_index``
@@ -94,6 +112,13 @@ sent on the stream (over all outputs):
 ``ignore-max-tokens``          every output generates one token more than ``max_tokens``
 ``oversized-event[=BYTES]``    right after the first token event, one more ``TokenOutput``
                                whose text is BYTES long (default 8 MiB)
+``wrong-request-id``           TokenOutput events name another request (``someone-else``)
+``empty-event``                right after the second token event, a GenerateResponse with
+                               no event
+``output-index-range``         right after the second token event, a TokenOutput for
+                               ``output_index`` = ``num_sequences`` (one past the last)
+``undecodable-event``          right after the second token event, a message that is no
+                               GenerateResponse (a ``request_id`` that is not UTF-8)
 =============================  ============================================================
 """
 
@@ -119,6 +144,10 @@ STREAM_FLAGS = frozenset(
         "no-stop-match",
         "event-after-error",
         "ignore-max-tokens",
+        "wrong-request-id",
+        "empty-event",
+        "output-index-range",
+        "undecodable-event",
     }
 )
 STREAM_FAULTS = (
@@ -131,6 +160,7 @@ STREAM_FAULTS = (
             "no-usage",
             "token-after-finish",
             "oversized-event",
+            "status-after",
         }
     )
     | STREAM_FLAGS
@@ -159,6 +189,13 @@ ENGINE_FLAGS = frozenset(
         "drain-early-complete",
         "lora-lenient",
         "lora-not-idempotent",
+        "drain-event-after-complete",
+        "drain-empty-event",
+        "drain-no-complete",
+        "kv-empty-response",
+        "kv-event-after-error",
+        "kv-undecodable",
+        "session-foreign-rank",
     }
 )
 ENGINE_FAULTS = (
@@ -181,6 +218,7 @@ ENGINE_FAULTS = (
             "kv-tagged-arrays",
             "kv-large-batch",
             "oversized-answer",
+            "hold-after-terminal",
         }
     )
     | ENGINE_FLAGS
@@ -213,6 +251,7 @@ class StreamFaults:
     error_after: int | None = None
     crash_after: int | None = None
     stall: int | None = None
+    status_after: int | None = None
     no_usage: bool = False
     token_after_finish: bool = False
     oversized_event: int | None = None  # bytes of the extra event's text
@@ -252,6 +291,7 @@ class Faults:
     kv_tagged_arrays: bool = False
     kv_large_batch: int | None = None  # bytes
     oversized_answers: tuple[tuple[str, int], ...] = ()  # (Control RPC, bytes)
+    hold_after_terminal: int | None = None  # -1 = all
     flags: frozenset[str] = frozenset()  # names from ENGINE_FLAGS
     stream: StreamFaults = field(default_factory=StreamFaults)
 
@@ -279,6 +319,9 @@ class Faults:
             out["kv_wrong_rank"] = True
         if self.has("kv-replay-skip"):
             out["kv_replay_skip"] = True
+        for name in ("kv-empty-response", "kv-event-after-error", "kv-undecodable"):
+            if self.has(name):
+                out[name.replace("-", "_")] = True
         return out
 
 
@@ -383,6 +426,8 @@ def parse_faults(specs: Iterable[str], *, role: str = "aggregated") -> Faults:
             kw["wrong_role"] = value
         elif name == "drop-aborts":
             kw["drop_aborts"] = _int(name, value, -1)
+        elif name == "hold-after-terminal":
+            kw["hold_after_terminal"] = _int(name, value, -1)
         elif name == "late-generate":
             kw["late_generate"] = _float(name, value, 1.0)
         elif name == "slow-health":

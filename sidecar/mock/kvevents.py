@@ -178,6 +178,7 @@ class ZmqKvPublisher:
             self.dp_rank + self.faults.rank_offset,
             style=self.style,
             tagged_arrays=self.faults.tagged_arrays,
+            undecodable=self.faults.undecodable and self.sequencer.next_seq == 0,
         )
         decision = self.sequencer.next_batch(payload)
         if decision.restarted:

@@ -187,6 +187,7 @@ class GrpcKvEvents:
         large = self.faults.large_batch
         self._filler = large_batch_filler(large) if large else b""
         self._filled: set[int] = set()  # ranks whose first live batch carried the filler
+        self._spoiled: set[int] = set()  # ranks whose first batch carried an undecodable event
 
     def attach_cache(self, cache: KvCache) -> None:
         """Let snapshots of ``cache.dp_rank`` read ``cache``'s contents."""
@@ -210,6 +211,9 @@ class GrpcKvEvents:
         state = self._state(dp_rank)
         seq = state.sequencer.next_seq
         batch = batch_to_pb(seq, time.time_ns(), dp_rank + self.faults.rank_offset, events)
+        if self.faults.undecodable and dp_rank not in self._spoiled:
+            self._spoiled.add(dp_rank)
+            batch.events.append(pb.KvEvent())  # fault kv-undecodable: an event with none set
         decision = state.sequencer.next_batch(batch)
         if decision.seq != seq:  # restarted: renumber
             batch.sequence_number = decision.seq
@@ -236,6 +240,8 @@ class GrpcKvEvents:
         for r in ranks:
             self._state(r)
         sub = KvSubscription(self, ranks, self.max_queue_size)
+        if self.faults.empty_response:
+            sub._put(pb.SubscribeKvEventsResponse())
         start = request.start_sequence_number
         first: list[pb.KvEventBatch] = []
         for r in ranks:
@@ -262,6 +268,11 @@ class GrpcKvEvents:
             first.extend(batch for _, batch in seqr.buffer.since(start + skip))
         for batch in first:
             sub._put(pb.SubscribeKvEventsResponse(batch=batch))
+        if self.faults.event_after_error and request.include_snapshot:
+            # not terminal to the queue (it is pre-encoded): the stream goes on after it
+            error = _error(pb.ErrorCode.INTERNAL, "fault kv-event-after-error", retryable=True)
+            sub._put(PreEncoded(bytes(error)))
+            sub._put(pb.SubscribeKvEventsResponse(batch=first[-1]))
         self._subs.append(sub)
         return sub
 

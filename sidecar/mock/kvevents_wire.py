@@ -128,10 +128,13 @@ def encode_payload(
     *,
     style: Style = "vllm",
     tagged_arrays: bool = False,
+    undecodable: bool = False,
 ) -> bytes:
-    """The msgpack payload frame ``[ts, [events], dp_rank]``."""
+    """The msgpack payload frame ``[ts, [events], dp_rank]`` (``undecodable``: plus an integer
+    where an event belongs, fault ``kv-undecodable``)."""
     conv = event_to_array if tagged_arrays else event_to_map
-    return _encoder.encode([ts, [conv(e, style) for e in events], dp_rank])
+    encoded: list[Any] = [conv(e, style) for e in events]
+    return _encoder.encode([ts, [*encoded, 0] if undecodable else encoded, dp_rank])
 
 
 # --------------------------------------------------------------------------- protobuf
@@ -223,6 +226,12 @@ class KvFaults:
     * ``kv-large-batch[=BYTES]`` (``large_batch``, default :data:`LARGE_BATCH_BYTES`; gRPC
       only): the first batch each rank sends live carries about BYTES more of synthetic
       ``BlockStored`` events (:func:`large_batch_filler`, built once); replays do not.
+    * ``kv-empty-response`` (``empty_response``; gRPC only): every stream begins with a
+      response carrying no event.
+    * ``kv-event-after-error`` (``event_after_error``; gRPC only): a stream with
+      ``include_snapshot`` sends, after its snapshot, an ``EngineError`` and one more batch.
+    * ``kv-undecodable`` (``undecodable``): the first batch of each rank carries one more
+      event that does not decode (gRPC: a ``KvEvent`` with none set; ZMQ: an integer).
     """
 
     gap_at: int | None = None
@@ -232,6 +241,9 @@ class KvFaults:
     wrong_rank: bool = False
     replay_skip: bool = False
     large_batch: int | None = None
+    empty_response: bool = False
+    event_after_error: bool = False
+    undecodable: bool = False
 
     NAMES = (
         "kv-gap",
@@ -241,11 +253,17 @@ class KvFaults:
         "kv-wrong-rank",
         "kv-replay-skip",
         "kv-large-batch",
+        "kv-empty-response",
+        "kv-event-after-error",
+        "kv-undecodable",
     )
     _FLAGS = {
         "kv-tagged-arrays": "tagged_arrays",
         "kv-wrong-rank": "wrong_rank",
         "kv-replay-skip": "replay_skip",
+        "kv-empty-response": "empty_response",
+        "kv-event-after-error": "event_after_error",
+        "kv-undecodable": "undecodable",
     }
 
     @property
@@ -314,6 +332,9 @@ class KvFaults:
             wrong_rank=bool(options.get("kv_wrong_rank")),
             replay_skip=bool(options.get("kv_replay_skip")),
             large_batch=_at("kv_large_batch", LARGE_BATCH_BYTES),
+            empty_response=bool(options.get("kv_empty_response")),
+            event_after_error=bool(options.get("kv_event_after_error")),
+            undecodable=bool(options.get("kv_undecodable")),
         )
 
 

@@ -28,9 +28,11 @@ from sidecar.mock import schemas
 from sidecar.mock import tokenizer as tok
 from sidecar.mock import transfer as xfer
 from sidecar.mock.engine import ABORTED, COMPLETED, DROPPED, FAILED, MockEngine, Request
+from sidecar.mock.faults import StreamFaults
 from sidecar.mock.kvcache import KvCacheFull, compute_block_hashes
 from sidecar.nursery import lone_exception
 from sidecar.openengine import pb
+from sidecar.openengine.server import PreEncoded, RpcStatusError
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +51,12 @@ class _ClientLeft(Exception):
 
 
 class _Ended(Exception):
-    """The stream ended (terminal sent or fault); ``outcome`` says how."""
+    """The stream ended (terminal sent or fault); ``outcome`` says how, ``status`` the non-OK
+    status the call then ends with (fault ``status-after``)."""
 
-    def __init__(self, outcome: str) -> None:
+    def __init__(self, outcome: str, status: RpcStatusError | None = None) -> None:
         self.outcome = outcome
+        self.status = status
 
 
 async def _pause(req: Request, seconds: float) -> None:
@@ -155,23 +159,40 @@ class _Stream:
             await self.fail(pb.ErrorCode.INTERNAL, f"injected fault after {n} token(s)", retryable=True)
         if f.close_without_terminal is not None and n >= f.close_without_terminal:
             raise _Ended(DROPPED)
+        if f.status_after is not None and n >= f.status_after:
+            raise _Ended(FAILED, RpcStatusError("INTERNAL", f"injected status after {n} token(s)"))
         if f.stall is not None and n >= f.stall:
             await _pause(self.req, -1.0)
         if f.oversized_event is not None and n == 1:
             big = gen.Step(gen.working_word(0), "x" * f.oversized_event, None, None)
             await self.send(ev.token_event(self.req.id, 0, big))
+        if n == 2 and f.flags:
+            await self._after_second_token(f)
+
+    async def _after_second_token(self, f: StreamFaults) -> None:
+        """Stream faults that add one message right after the second token event (a request
+        of one or two tokens is spared: the suite's short requests still complete)."""
+        rid = self.req.id
+        if f.has("empty-event"):
+            await self.send(pb.GenerateResponse(request_id=rid))
+        if f.has("output-index-range"):
+            step = gen.Step(gen.working_word(0), "", None, None)
+            await self.send(ev.token_event(rid, self.plan.num_outputs, step))
+        if f.has("undecodable-event"):
+            await self.send(PreEncoded(b"\n\x02\xff\xfe"))  # request_id = 2 bytes, not UTF-8
 
 
 async def run_request(engine: MockEngine, req: Request, send: Send) -> None:
     """Serve ``req`` to its end (see the module doc). Re-raises cancellation."""
     stream = _Stream(engine, req, send)
     outcome = FAILED
+    status: RpcStatusError | None = None
     try:
         try:
             await _run(stream)
             outcome = COMPLETED
         except _Ended as end:
-            outcome = end.outcome
+            outcome, status = end.outcome, end.status
         except _Aborted:
             await _send_cancelled(stream)
             outcome = ABORTED
@@ -189,6 +210,11 @@ async def run_request(engine: MockEngine, req: Request, send: Send) -> None:
     if outcome == DROPPED:
         log.info("fault close-without-terminal: request %s stream closed", req.id)
     engine.finish(req, outcome)
+    if status is not None:
+        raise status
+    if outcome != DROPPED and engine.take_hold():
+        log.info("fault hold-after-terminal: request %s stream held open", req.id)
+        await asyncio.Event().wait()  # until the client leaves (cancellation)
 
 
 async def _send_cancelled(stream: _Stream) -> None:
@@ -334,6 +360,8 @@ async def _hand_off(stream: _Stream) -> None:
             transfer_backend=spec.transfer_backend,
         )
     ref = schemas.advertise(engine.config, ref)
+    if engine.config.faults.has("session-foreign-rank"):
+        ref.dp_rank = engine.config.dp_size
     await stream.send(ev.prefill_ready_event(req.id, ref, stream.usage()))
 
 
@@ -389,6 +417,8 @@ async def _generate(stream: _Stream) -> None:
                 )
             elif faults.flags:
                 token = ev.token_event(req.id, index, step)
+                if faults.has("wrong-request-id"):
+                    token.request_id = "someone-else"
                 if faults.has("no-output-index"):
                     token.token.output_index = None  # type: ignore[union-attr]
                 if faults.has("early-usage") and stream.tokens_sent == 0:

@@ -40,7 +40,8 @@ def test_selection_patterns() -> None:
     assert "drain.progress" not in [c.id for c in select_checks(checks, skip=["drain"])]
     assert [c.id for c in select_checks(checks, only=["kv"], skip=["kv.rank"])] == [
         "kv.resume",
-        "kv.sequence",  # last of its group: it judges every batch of the run
+        "kv.sequence",  # judges every batch of the run
+        "kv.well-formed",  # last of its group: judges every subscription of the run
     ]
     with pytest.raises(ValueError, match="matches no check"):
         select_checks(checks, only=["genrate"])

@@ -74,4 +74,5 @@ async def test_capabilities_not_advertised_skip(aio_loop: Any) -> None:
     assert reasons["lora.errors"] == "LoRA disabled: status FAILED_PRECONDITION"
     assert "supports_lora" in reasons["lora.lifecycle"]
     assert "no KV event sources" in reasons["discovery.kv-sources-routable"]
-    assert all("no KV events" in reasons[k] for k in ("kv.sequence", "kv.rank", "kv.resume")), explain(report)
+    kv = ("kv.sequence", "kv.rank", "kv.resume", "kv.well-formed")
+    assert all("no KV events" in reasons[k] for k in kv), explain(report)

@@ -84,6 +84,10 @@ def test_good_streams_break_no_rule() -> None:
         assert rules.prompt_once_violations(r) == []
         assert rules.stop_match_violations(r) == []
         assert rules.max_tokens_violations(r) == []
+        assert rules.request_id_violations(r) == []
+        assert rules.event_violations(r) == []
+        assert rules.close_violations(r) == []
+        assert rules.wire_violations(r) == []
     assert rules.terminal_position(GOOD2) == 4
 
 
@@ -169,3 +173,55 @@ def test_max_tokens() -> None:
     # tokens after the finish are the after-finish rule's concern
     assert rules.max_tokens_violations(rec(req(max_tokens=1), tok(), fin(usage=True), tok())) == []
     assert rules.tokens_per_output(rec(req(), tok(None, count=2))) == {0: 2}
+
+
+def test_request_id() -> None:
+    other = tok()
+    other.request_id = "someone-else"
+    found = rules.request_id_violations(rec(req(), tok(), other, fin(usage=True)))
+    assert found == ["stream 't', event #2 (token): request_id 'someone-else' on the stream of 'r'"]
+    unnamed = tok()
+    unnamed.request_id = ""
+    assert rules.request_id_violations(rec(req(), unnamed, fin(usage=True))) == []  # empty: allowed
+
+
+def test_one_event() -> None:
+    empty = pb.GenerateResponse(request_id=RID)
+    assert rules.event_violations(rec(req(), tok(), empty, fin(usage=True))) == [
+        "stream 't', event #2 (no event): a GenerateResponse with no event"
+    ]
+
+
+def test_closes_ok() -> None:
+    status = rec(req(), tok(), end="status")
+    status.status, status.status_message = "INTERNAL", "boom"
+    assert "ended with status INTERNAL (boom) after 1 event(s)" in rules.close_violations(status)[0]
+    after_terminal = rec(req(), tok(), fin(usage=True), end="status")
+    assert rules.close_violations(after_terminal)  # a status even after the terminal
+    lost = rec(req(), tok(), fin(usage=True), end="transport")
+    assert "lost after its terminal event (#2)" in rules.close_violations(lost)[0]
+    assert rules.close_violations(rec(req(), tok(), end="transport")) == []  # lost_violations' own
+    held = rec(req(), tok(), fin(usage=True), end="timeout")
+    held.gave_up = "not closed within 3 s of its terminal event"
+    assert (
+        "stayed open after its terminal event (#2): not closed within 3 s" in rules.close_violations(held)[0]
+    )
+    silent = rec(req(), end="timeout")
+    silent.gave_up = "did not end within 20 s"
+    assert rules.close_violations(silent) == ["stream 't': did not end within 20 s (0 event(s), no terminal)"]
+    aborted = rec(req(), tok(), end="timeout")
+    aborted.aborted = True  # ending an aborted stream is the cancellation checks' rule
+    assert rules.close_violations(aborted) == []
+    # not this rule's: a failed stream (after_error_violations), one we left, a refusal
+    assert rules.close_violations(rec(req(), tok(), err(), end="status")) == []
+    assert rules.close_violations(rec(req(), tok(), end="left")) == []
+    assert rules.close_violations(rec(req(), end="status")) == []
+
+
+def test_wire_format() -> None:
+    broken = rec(req(), tok(), end="protocol")
+    broken.error = "Generate: engine sent something undecodable (UnicodeDecodeError: ...)"
+    assert rules.wire_violations(broken) == [
+        "stream 't': after 1 event(s): Generate: engine sent something undecodable (UnicodeDecodeError: ...)"
+    ]
+    assert rules.close_violations(broken) == []  # the wire rule's alone
