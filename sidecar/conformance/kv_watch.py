@@ -2,7 +2,7 @@
 
 :func:`open_watcher` subscribes for the duration of an ``async with`` block and records
 every batch (its sequence number, the rank it reports, the rank of the source it came
-from, its events normalized by the KV bridge's decoders). Native
+from, its events as decoded by the KV bridge's decoders). Native
 (``SubscribeKvEvents``) is used when the engine advertises a ``grpc`` source or none at
 all; otherwise one ZMQ SUB per advertised ``zmq`` source.
 
