@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -27,7 +28,7 @@ import trio
 import zmq
 
 from sidecar.kvbridge.errors import KvConfigError, KvSourceError
-from sidecar.kvbridge.events import OutBatch
+from sidecar.kvbridge.events import OutBatch, cleared_payload
 from sidecar.kvbridge.ingest_grpc import GrpcIngest
 from sidecar.kvbridge.ingest_limits import IngestLimits
 from sidecar.kvbridge.ingest_zmq import ZmqIngest
@@ -184,14 +185,20 @@ async def _supervise(
     in the crashed ingest's form) and restarted."""
     cleared = False
     while True:
-        ingest = make(cleared=cleared)
+        ingest: Any = None
         try:
+            ingest = make(cleared=cleared)
             await ingest.run()
             return
         except Exception:
             log.exception("KV rank %d: ingest crashed; resyncing and restarting", rank)
             RankMetrics(rank).resync("ingest_restart")
-            await out.send([ingest.cleared()])
+            if ingest is not None:
+                batch = ingest.cleared()
+            else:
+                now = time.time()
+                batch = OutBatch(cleared_payload(now, rank), 1, now)
+            await out.send([batch])
             cleared = True
             await trio.sleep(backoff)
 

@@ -177,6 +177,28 @@ async def test_gap_without_replay_endpoint_clears() -> None:
             n.cancel_scope.cancel()
 
 
+@pytest.mark.parametrize("style", ["vllm-map", "vllm-array", "sglang-array"])
+async def test_a_clear_takes_the_form_of_the_sources_events(style: str) -> None:
+    """Joining late without a replay endpoint: the AllBlocksCleared comes before any batch was
+    decoded, yet in the form the engine writes (a consumer decoding with that engine's classes
+    reads it), then the batches as the engine wrote them."""
+    rng = random.Random(style)
+    batches = [gen.batch(rng, 3, clears=False, style=style) for _ in range(3)]
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n, FakeZmqEngine(n, style=style, replay=False) as eng:
+            info = await start_bridge(n, [source(eng)])
+            await eng.wait_subscribed()
+            async with Consumer(info.ranks[0].publish_endpoint, info.ranks[0].replay_endpoint) as c:
+                for i, b in enumerate(batches):
+                    eng.publish(b, send=i > 0)  # the first one is missed: seq 1 is the first seen
+                expected = [eng.cleared, *eng.as_sent(*batches[1:])]
+                assert await c.collect_events(len(expected)) == expected
+                assert eng.cleared == (
+                    ["AllBlocksCleared"] if style.endswith("array") else {"type": "AllBlocksCleared"}
+                )
+            n.cancel_scope.cancel()
+
+
 @pytest.mark.parametrize("first_new_sent", [True, False])
 async def test_publisher_restart_is_detected(first_new_sent: bool) -> None:
     rng = random.Random(4)
