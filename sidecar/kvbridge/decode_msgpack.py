@@ -25,9 +25,9 @@ Any payload that does not decode — malformed, wrong types, nesting too deep fo
 Fast path: typed msgspec decoding straight into the view (the map form: no per-event
 Python work), then maps carrying older SGLang's metadata map, then tagged arrays; the
 decoder remembers which one the source uses. Anything else (mixed batches, a
-map-shaped batch) falls back to a generic decode and per-event conversion. Unknown trailing
-array fields and unknown map keys are ignored; a ``None`` in an array's optional slot is a
-placeholder (omitted from the output), an explicit ``None`` in a map is kept.
+map-shaped batch) falls back to a generic decode and per-event conversion. In the view,
+unknown trailing array fields and unknown map keys are left out, a ``None`` in an array's
+optional slot is a placeholder (``UNSET``), an explicit ``None`` in a map is kept.
 """
 
 from __future__ import annotations
