@@ -7,6 +7,7 @@ each event once. No engine process and no GPU: the classes only (the module impo
 
 from __future__ import annotations
 
+import atexit
 import time
 
 import msgspec
@@ -61,6 +62,7 @@ async def test_sglang_publisher_to_sglang_decoder_through_the_bridge() -> None:
             )
         finally:
             publisher.shutdown()
+            atexit.unregister(publisher.shutdown)  # registered by the class for exit: once is enough
     decoder = msgspec.msgpack.Decoder(KVEventBatch)
     check_run(run, decoder.decode, batches)
     applied = [e for r in run.received for e in decoder.decode(r.payload).events]
