@@ -2,7 +2,7 @@
 
 :func:`open_watcher` subscribes for the duration of an ``async with`` block and records
 every batch (its sequence number, the rank it reports, the rank of the source it came
-from, its events normalized by the KV bridge's decoders), and as ``problems`` everything the
+from, its events as decoded by the KV bridge's decoders), and as ``problems`` everything the
 KV bridge would refuse: a response with no event, anything after a terminal ``EngineError``,
 a message the client cannot take, a batch or ZMQ message that does not decode. Native
 (``SubscribeKvEvents``) is used when the engine advertises a ``grpc`` source or none at

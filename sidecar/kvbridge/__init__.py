@@ -1,4 +1,4 @@
-"""KV event bridge: engine KV events (ZMQ msgpack or OpenEngine gRPC) -> one vLLM-format ZMQ publisher per DP rank.
+"""KV event bridge: engine KV events (ZMQ msgpack or OpenEngine gRPC) -> one ZMQ publisher per DP rank, events as the engine wrote them.
 
 Public API (see docs/KVBRIDGE.md)::
 

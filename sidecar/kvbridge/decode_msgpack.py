@@ -1,4 +1,4 @@
-"""Decoding of engine ZMQ KV-event payloads (msgpack) into the normalized model.
+"""Validation of engine ZMQ KV-event payloads (msgpack) into a decoded view.
 
 Accepted shapes (docs/design/engine-facts.md "KV events over ZMQ"):
 
@@ -9,20 +9,25 @@ Accepted shapes (docs/design/engine-facts.md "KV events over ZMQ"):
   kv_cache_spec_sliding_window]`` (trailing fields may be omitted), ``["BlockRemoved",
   block_hashes, medium, group_idx]``, ``["AllBlocksCleared"]``; or as maps tagged by
   ``"type"`` with defaulted fields omitted; both kinds may even be mixed in one batch;
-- block hashes as ints over the full unsigned 64-bit range (msgpack uint64) or bytes;
-- SGLang's ``{cache_salt, session_id}`` metadata map in the ``lora_name`` slot (or under a
-  ``metadata`` key), kept as :attr:`BlockStored.metadata`.
+- block hashes as ints (msgpack int64 or uint64: signed or unsigned, kept as sent) or bytes;
+- older SGLang's ``{cache_salt, session_id}`` map in the ``lora_name`` slot (or under a
+  ``metadata`` key), shown as :attr:`BlockStored.metadata` in the view.
+
+The decoded :class:`EventBatch` is a validated *view* of the payload: the bridge publishes
+the payload itself (:mod:`sidecar.kvbridge.events`), so what the view leaves out — fields
+it does not know, the form — still reaches consumers. :attr:`MsgpackBatchDecoder.form` says
+which form the source's events take (for the ``AllBlocksCleared`` the bridge adds).
 
 Any payload that does not decode — malformed, wrong types, nesting too deep for msgspec
 (``RecursionError``) or deeper than :data:`MAX_NESTING` in the free-form fields — is a
 :class:`KvDecodeError`, never another exception.
 
-Fast path: typed msgspec decoding straight into the output model (vLLM map form with
-unsigned hashes: no per-event Python work), then maps needing normalization, then tagged
-arrays; the decoder remembers which one the source uses. Anything else (mixed batches, a
-map-shaped batch) falls back to a generic decode and per-event conversion. Unknown trailing
-array fields and unknown map keys are ignored; a ``None`` in an array's optional slot is a
-placeholder (omitted from the output), an explicit ``None`` in a map is kept.
+Fast path: typed msgspec decoding straight into the view (the map form: no per-event
+Python work), then maps carrying older SGLang's metadata map, then tagged arrays; the
+decoder remembers which one the source uses. Anything else (mixed batches, a
+map-shaped batch) falls back to a generic decode and per-event conversion. In the view,
+unknown trailing array fields and unknown map keys are left out, a ``None`` in an array's
+optional slot is a placeholder (``UNSET``), an explicit ``None`` in a map is kept.
 """
 
 from __future__ import annotations
@@ -39,9 +44,8 @@ from sidecar.kvbridge.events import (
     BlockRemoved,
     BlockStored,
     EventBatch,
+    Form,
     KvEvent,
-    norm_hash,
-    norm_hashes,
 )
 from sidecar.quoting import clip
 
@@ -115,7 +119,7 @@ class _ArrBatch(msgspec.Struct, array_like=True, gc=False):
 
 _RANK_KEYS = ("data_parallel_rank", "attn_dp_rank", "dp_rank")
 
-# -- conversion to the normalized model ------------------------------------------------------
+# -- conversion to the view ---------------------------------------------------------------------
 
 
 def _opt(value: Any) -> Any:
@@ -139,8 +143,8 @@ def _stored(e: _MapStored | _ArrStored) -> BlockStored:
             metadata = lora_name
         lora_name = None
     return BlockStored(
-        norm_hashes(e.block_hashes),
-        norm_hash(parent) if parent is not None else None,
+        e.block_hashes,
+        parent,
         e.token_ids,
         e.block_size,
         e.lora_id,
@@ -159,9 +163,9 @@ def _normalize(events: list[Any]) -> list[KvEvent]:
         if t is _MapStored or t is _ArrStored:
             append(_stored(e))
         elif t is _MapRemoved:
-            append(BlockRemoved(norm_hashes(e.block_hashes), e.medium, e.group_idx))
+            append(BlockRemoved(e.block_hashes, e.medium, e.group_idx))
         elif t is _ArrRemoved:
-            append(BlockRemoved(norm_hashes(e.block_hashes), e.medium, _opt(e.group_idx)))
+            append(BlockRemoved(e.block_hashes, e.medium, _opt(e.group_idx)))
         else:
             append(CLEARED)
     return out
@@ -175,12 +179,14 @@ class MsgpackBatchDecoder:
 
     ``decode`` returns an :class:`EventBatch` whose ``data_parallel_rank`` is the one in the
     payload (``None`` when absent) or raises :class:`KvDecodeError`. Shapes, in the order
-    first tried: vLLM maps straight into the output model (no per-event Python work);
-    maps needing normalization (negative int64 hashes, SGLang metadata); tagged arrays.
-    Not shared between sources; not thread-safe.
+    first tried: maps straight into the view (no per-event Python work); maps carrying
+    older SGLang's metadata map; tagged arrays. :attr:`form` is the form of the last batch
+    that had events (``None`` before any). Not shared between sources; not thread-safe.
     """
 
-    __slots__ = ("_last", "_paths")
+    __slots__ = ("_last", "_paths", "form")
+
+    _FORMS: tuple[Form, ...] = ("map", "map", "array")
 
     def __init__(self) -> None:
         fast = msgspec.msgpack.Decoder(EventBatch)
@@ -196,12 +202,13 @@ class MsgpackBatchDecoder:
 
         self._paths: list[Any] = [fast.decode, slow(maps), slow(arrays)]
         self._last = 0
+        self.form: Form | None = None
 
     def decode(self, payload: bytes) -> EventBatch:
         """Raises :class:`KvDecodeError` for anything that is not a usable batch — whatever
         the decoding raised (too deep a nesting raises ``RecursionError`` in msgspec)."""
         try:
-            batch = self._decode(payload)
+            batch, form = self._decode(payload)
         except KvDecodeError:
             raise
         except Exception as err:  # RecursionError, or anything msgspec / the conversion raise
@@ -209,22 +216,25 @@ class MsgpackBatchDecoder:
                 f"payload does not decode ({type(err).__name__}: {clip(str(err), 200)})"
             ) from err
         check_nesting(batch)
+        if batch.events:
+            self.form = form
         return batch
 
-    def _decode(self, payload: bytes) -> EventBatch:
+    def _decode(self, payload: bytes) -> tuple[EventBatch, Form]:
+        last = self._last
         try:
-            return self._paths[self._last](payload)  # type: ignore[no-any-return]
+            return self._paths[last](payload), self._FORMS[last]
         except msgspec.DecodeError:
             pass
         for i, path in enumerate(self._paths):
-            if i == self._last:
+            if i == last:
                 continue
             try:
                 batch: EventBatch = path(payload)
             except msgspec.DecodeError:
                 continue
             self._last = i
-            return batch
+            return batch, self._FORMS[i]
         return _decode_generic(payload)
 
 
@@ -255,7 +265,7 @@ def check_nesting(batch: EventBatch) -> None:
                 raise KvDecodeError(f"event data nested deeper than {MAX_NESTING} levels")
 
 
-def _decode_generic(payload: bytes) -> EventBatch:
+def _decode_generic(payload: bytes) -> tuple[EventBatch, Form]:
     """Slow path: mixed event kinds in one batch, a map-shaped batch, or a malformed payload."""
     try:
         raw = msgspec.msgpack.decode(payload)
@@ -293,7 +303,8 @@ def _decode_generic(payload: bytes) -> EventBatch:
                 raise KvDecodeError(f"event {i} is a {type(ev).__name__}, expected a map or an array")
         except msgspec.ValidationError as err:
             raise KvDecodeError(f"event {i}: {err}") from err
-    return EventBatch(float(ts), _normalize(typed), rank)
+    form: Form = "array" if events and isinstance(events[0], list) else "map"
+    return EventBatch(float(ts), _normalize(typed), rank), form
 
 
 def decode_msgpack_batch(payload: bytes) -> EventBatch:

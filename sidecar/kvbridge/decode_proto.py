@@ -1,21 +1,26 @@
-"""OpenEngine-native KV events (``pb.KvEventBatch``) into the normalized model.
+"""OpenEngine-native KV events (``pb.KvEventBatch``) into the bridge's model (vLLM's map form).
 
-Field mapping (kv.proto; proto3 cannot tell "unset" from zero, so zero values of the
-optional-in-vLLM fields become ``None`` and are omitted from the output):
+The one place the bridge re-encodes what an engine sent. Field mapping (kv.proto; proto3
+cannot tell "unset" from zero, so zero values of the optional-in-vLLM fields become
+``None`` and are omitted from the output; the table is in docs/KVBRIDGE.md):
 
 - ``KvBlockHash{value, encoding}``: ``int64`` / ``uint64`` (also ``i64``, ``u64``, ``int``,
-  ``uint``) is 1-8 big-endian bytes read as an unsigned int (a signed int64 bit pattern
-  keeps its identity as its two's complement); ``decimal`` / ``decimal_int64`` /
-  ``decimal_uint64`` is ASCII decimal; ``string`` / ``utf8`` is decimal text when it parses as
-  one, else its bytes; ``bytes``, ``hex``, ``engine_specific``, an empty or unknown encoding
-  keep ``value`` as raw bytes. An empty parent hash means "no parent".
+  ``uint``) is 1-8 big-endian bytes read as an unsigned int — the value vLLM's own ZMQ
+  publisher writes for the same hash (the binary form does not say whether the engine's
+  int was signed); ``decimal`` / ``decimal_int64`` / ``decimal_uint64`` is ASCII decimal,
+  published as written, sign included (how an engine with signed hashes keeps them);
+  ``string`` / ``utf8`` is decimal text when it parses as one, else its bytes; ``bytes``,
+  ``hex``, ``engine_specific``, an empty or unknown encoding keep ``value`` as raw bytes.
+  An empty parent hash means "no parent".
 - ``medium``: ``STORAGE_MEDIUM_GPU`` -> ``"GPU"``, ``CPU_PINNED`` / ``DISK`` / ``EXTERNAL``
   likewise; unspecified or unknown -> ``None``.
 - ``lora_id`` 0 and ``lora_name`` "" -> ``None``; ``group_idx`` 0, ``kv_cache_spec_kind`` "",
   ``kv_cache_spec_sliding_window`` 0 and an empty ``extra_keys`` -> not written;
   ``extra_keys`` tuples become lists, an empty tuple ``None``.
 - ``timestamp_unix_nanos`` -> ``ts`` in float seconds. ``KvEvent.request_id`` and
-  ``kv_session`` have no place in vLLM's format and are not forwarded.
+  ``kv_session`` (a KV *transfer* session: handoff endpoints, not the routing session
+  vLLM's ``session_id`` names) have no place in vLLM's format and are not forwarded;
+  vLLM's ``locality``, ``ownership``, ``session_id`` have no field in kv.proto.
 """
 
 from __future__ import annotations
@@ -33,7 +38,6 @@ from sidecar.kvbridge.events import (
     BlockStored,
     EventBatch,
     KvEvent,
-    u64,
 )
 from sidecar.openengine import pb
 
@@ -57,11 +61,11 @@ def _decimal(text: str) -> int | None:
     value = int(t)
     if not -(1 << 63) <= value < (1 << 64):
         return None
-    return u64(value)
+    return value
 
 
 def block_hash_from_proto(h: pb.KvBlockHash) -> BlockHash:
-    """One ``KvBlockHash`` as an unsigned int or raw bytes (see the module rules)."""
+    """One ``KvBlockHash`` as an int or raw bytes (see the module rules)."""
     enc = h.encoding.strip().lower()
     value = h.value
     if enc in _INT_ENCODINGS:
@@ -133,7 +137,9 @@ def event_from_proto(ev: pb.KvEvent) -> KvEvent:
 
 
 def batch_from_proto(batch: pb.KvEventBatch) -> EventBatch:
-    """A ``pb.KvEventBatch`` as an :class:`EventBatch` (its ``data_parallel_rank`` kept)."""
+    """A ``pb.KvEventBatch`` as an :class:`EventBatch` (its ``data_parallel_rank`` kept).
+
+    Raises :class:`KvDecodeError` for an event without a kind or a malformed hash."""
     return EventBatch(
         batch.timestamp_unix_nanos / 1e9,
         [event_from_proto(e) for e in batch.events],

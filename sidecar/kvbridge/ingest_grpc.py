@@ -8,6 +8,9 @@ with ``include_snapshot`` and publish ``AllBlocksCleared`` before the snapshot â
 :class:`~sidecar.kvbridge.sequencer.GrpcSequencer`. An engine that also refuses snapshots
 is then followed live after the ``AllBlocksCleared``.
 
+Each batch is converted (:mod:`sidecar.kvbridge.decode_proto`, the field mapping) and
+encoded in vLLM's tagged-map form, labelled with this rank.
+
 A batch larger than ``IngestLimits.max_batch_bytes`` is refused before it is read (the
 engine's length prefix): counted as a decode error, ``AllBlocksCleared`` published, and the
 subscription resumed after it (a too-large snapshot: followed live instead).
@@ -26,7 +29,7 @@ import trio
 
 from sidecar.kvbridge.decode_proto import batch_from_proto
 from sidecar.kvbridge.errors import KvDecodeError
-from sidecar.kvbridge.events import EventBatch, cleared_batch
+from sidecar.kvbridge.events import OutBatch, cleared_payload, encode_batch
 from sidecar.kvbridge.ingest_limits import IngestLimits
 from sidecar.kvbridge.metrics import RankMetrics
 from sidecar.kvbridge.sequencer import Clear, Duplicate, Emit, GrpcAction, GrpcSequencer, Reason, Resubscribe
@@ -58,7 +61,7 @@ class GrpcIngest:
         self,
         client: KvEventClient,
         source: GrpcSource,
-        out: trio.MemorySendChannel[list[EventBatch]],
+        out: trio.MemorySendChannel[list[OutBatch]],
         *,
         backoff_initial: float = 0.05,
         backoff_max: float = 5.0,
@@ -142,6 +145,11 @@ class GrpcIngest:
             await trio.sleep(delay)
             delay = min(delay * 2, self.backoff_max)
 
+    def cleared(self) -> OutBatch:
+        """An ``AllBlocksCleared`` batch for this rank (the map form, as every batch from this source)."""
+        now = time.time()
+        return OutBatch(cleared_payload(now, self.source.rank), 1, now)
+
     async def _apply(self, actions: list[GrpcAction[pb.KvEventBatch]]) -> Resubscribe | None:
         m = self.metrics
         rank = self.source.rank
@@ -160,14 +168,16 @@ class GrpcIngest:
                     )
                     await self._apply(self.sequencer.clear(Reason.DECODE_ERROR))
                     continue
-                m.events_in.inc(len(batch.events))
-                await self.out.send([batch])
+                n = len(batch.events)
+                m.events_in.inc(n)
+                batch.data_parallel_rank = rank
+                await self.out.send([OutBatch(encode_batch(batch), n, batch.ts)])
             elif type(a) is Duplicate:
                 m.duplicates.inc()
             elif type(a) is Clear:
                 m.resync(a.reason)
                 log.warning("KV rank %d: publishing AllBlocksCleared (%s)", rank, a.reason)
-                await self.out.send([cleared_batch(time.time(), rank)])
+                await self.out.send([self.cleared()])
             elif type(a) is Resubscribe:
                 return a
         return None

@@ -10,6 +10,9 @@ there shows up as a gap afterwards and is replayed in turn).
 
 Each wake-up takes every queued message (up to ``drain_limit``) and hands their batches to
 the publisher as one list: one channel hop and one scheduler round per group, not per batch.
+A batch goes out as the engine's payload itself (validated by decoding; only its rank slot
+set, :func:`~sidecar.kvbridge.events.published_payload`); an ``AllBlocksCleared`` the bridge
+adds takes the form of the source's events.
 
 Silent connections. A partitioned network path (packets dropped, nothing refused) leaves the
 SUB's TCP connection open, and whatever the engine publishes meanwhile arrives, if at all,
@@ -29,13 +32,14 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Sequence
 
 import trio
 import zmq
 
 from sidecar.kvbridge.decode_msgpack import MsgpackBatchDecoder
 from sidecar.kvbridge.errors import KvDecodeError
-from sidecar.kvbridge.events import EventBatch, cleared_batch
+from sidecar.kvbridge.events import OutBatch, cleared_payload, published_payload
 from sidecar.kvbridge.ingest_limits import IngestLimits
 from sidecar.kvbridge.metrics import RankMetrics
 from sidecar.kvbridge.replay import parse_upstream_reply, seq_bytes
@@ -54,7 +58,7 @@ class ZmqIngest:
         self,
         ctx: zmq.Context[zmq.Socket[bytes]],
         source: ZmqSource,
-        out: trio.MemorySendChannel[list[EventBatch]],
+        out: trio.MemorySendChannel[list[OutBatch]],
         *,
         hwm: int = 100_000,
         replay_timeout: float = 5.0,
@@ -129,6 +133,25 @@ class ZmqIngest:
         finally:
             self._close_dealer()
 
+    def cleared(self, actions: Sequence[Action[bytes]] = ()) -> OutBatch:
+        """An ``AllBlocksCleared`` batch for this rank, in the form of the source's events.
+
+        Before any batch with events was decoded, the form is learned from the first batch
+        among ``actions`` that decodes (the map form when none does).
+        """
+        decoder = self.decoder
+        if decoder.form is None:
+            for a in actions:
+                if type(a) is Emit:
+                    try:
+                        decoder.decode(a.payload)
+                    except KvDecodeError:
+                        continue
+                    if decoder.form is not None:
+                        break
+        now = time.time()
+        return OutBatch(cleared_payload(now, self.source.rank, decoder.form or "map"), 1, now)
+
     async def _watch_disconnect(self, monitor: zmq.Socket[bytes]) -> None:
         """Mark the SUB's connection dropped (and end the receive loop's wait, a safe point)."""
         await recv_multipart(monitor)
@@ -143,7 +166,7 @@ class ZmqIngest:
         seqr = self.sequencer
         silence = self.silence_probe if self.silence_probe > 0 and src.replay_endpoint else math.inf
         while not self._dropped:
-            out: list[EventBatch] = []
+            out: list[OutBatch] = []
             received: list[list[bytes]] = []  # stays empty when the wait ends by a drop
             with trio.CancelScope() as self._waiting, trio.move_on_after(silence) as quiet:
                 received = await recv_some(sub, self.drain_limit)
@@ -179,7 +202,7 @@ class ZmqIngest:
         if out:
             await self._flush(out)
 
-    async def _flush(self, out: list[EventBatch]) -> None:
+    async def _flush(self, out: list[OutBatch]) -> None:
         if self._in_batches:
             self.metrics.events_in.inc(self._in_events)
             self.metrics.batches_in.inc(self._in_batches)
@@ -193,7 +216,7 @@ class ZmqIngest:
             self._dealer.close(linger=0)
             self._dealer = None
 
-    async def _apply(self, actions: list[Action[bytes]], out: list[EventBatch]) -> list[EventBatch]:
+    async def _apply(self, actions: list[Action[bytes]], out: list[OutBatch]) -> list[OutBatch]:
         """Carry out ``actions``, collecting output in ``out``; returns the list to keep collecting in."""
         m = self.metrics
         rank = self.source.rank
@@ -211,20 +234,20 @@ class ZmqIngest:
                     )
                     out = await self._apply(self.sequencer.clear(Reason.DECODE_ERROR), out)
                     continue
-                if batch.data_parallel_rank not in (None, rank) and not self._rank_warned:
+                payload_rank = batch.data_parallel_rank
+                if payload_rank not in (None, rank) and not self._rank_warned:
                     self._rank_warned = True
-                    log.warning(
-                        "KV rank %d: engine labels its batches rank %s", rank, batch.data_parallel_rank
-                    )
+                    log.warning("KV rank %d: engine labels its batches rank %s", rank, payload_rank)
+                n = len(batch.events)
                 self._in_batches += 1
-                self._in_events += len(batch.events)
-                out.append(batch)
+                self._in_events += n
+                out.append(OutBatch(published_payload(a.payload, payload_rank, rank), n, batch.ts))
             elif type(a) is Duplicate:
                 m.duplicates.inc()
             elif type(a) is Clear:
                 m.resync(a.reason)
                 log.warning("KV rank %d: publishing AllBlocksCleared (%s)", rank, a.reason)
-                out.append(cleared_batch(time.time(), rank))
+                out.append(self.cleared(actions))
             elif type(a) is Replay:
                 await self._flush(out)  # what came before the gap goes out first
                 out = []

@@ -54,7 +54,7 @@ SILENCE_PROBES = Counter(
 )
 HEARTBEATS = Counter(
     _P + "heartbeats",
-    "Idle heartbeats: the last batch published again after --kv-heartbeat seconds without one.",
+    "Idle heartbeats: a batch with no events published after --kv-heartbeat seconds without one.",
     ["rank"],
     registry=REGISTRY,
 )

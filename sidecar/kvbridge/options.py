@@ -29,7 +29,7 @@ _OPTIONS = [
         "kv_events",
         default=True,
         show_default=True,
-        help="Bridge the engine's KV cache events to a vLLM-format ZMQ publisher.",
+        help="Bridge the engine's KV cache events to a ZMQ publisher per DP rank (vLLM's protocol).",
     ),
     option(
         "--kv-publish",
@@ -105,7 +105,8 @@ _OPTIONS = [
         type=click.FloatRange(min=0),
         default=5.0,
         show_default=True,
-        help="Publish the last batch again after this many idle seconds (0: never).",
+        help="Publish a batch with no events (the next sequence number) after this many idle "
+        "seconds, so consumers see a gap while the engine is idle (0: never).",
     ),
     option(
         "--kv-max-batch-bytes",

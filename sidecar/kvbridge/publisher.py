@@ -4,12 +4,16 @@ Frames on PUB: ``[topic, seq (8 bytes BE), payload]``, ``seq`` contiguous from 0
 socket's lifetime. The replay ROUTER answers per :mod:`sidecar.kvbridge.replay`, bounded
 per :mod:`sidecar.kvbridge.replay_server`.
 
-Idle heartbeat: after ``heartbeat`` seconds without a batch, the last batch is published again
-under the next ``seq`` (and again every ``heartbeat`` seconds while idle). Applying a batch
-twice in a row leaves a consumer's view unchanged (stored blocks stored again, removed ones
-removed again, cleared again), and the new number shows a consumer that lost batches — to a
-dropped connection, a restarted broker, a restarted relay — its gap within ``heartbeat``
-seconds even on an idle engine, instead of at the engine's next cache change.
+What goes out is what the ingest made (:class:`~sidecar.kvbridge.events.OutBatch`: the
+engine's payload, or one the bridge encoded): the publisher only numbers it, sends it and
+keeps it for replay, so a replay returns exactly the bytes published live.
+
+Idle heartbeat: after ``heartbeat`` seconds without a batch, a batch with no events
+(``[ts, [], rank]``) is published under the next ``seq`` (again every ``heartbeat`` seconds
+while idle). It changes nothing for a consumer that applies it, and its number shows a
+consumer that lost batches — to a dropped connection, a restarted broker, a restarted
+relay — its gap within ``heartbeat`` seconds even on an idle engine, instead of at the
+engine's next cache change.
 
 Tasks and resources: :func:`run_rank_publisher` owns the PUB socket and runs, in its own
 nursery, :func:`serve_replay`, which owns the ROUTER. Both share the in-memory
@@ -20,7 +24,6 @@ cancellation, error).
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from dataclasses import dataclass
@@ -29,13 +32,11 @@ from functools import partial
 import trio
 import zmq
 
-from sidecar.kvbridge.events import EventBatch, cleared_batch, encode_batch
+from sidecar.kvbridge.events import OutBatch, heartbeat_payload
 from sidecar.kvbridge.metrics import RankMetrics
 from sidecar.kvbridge.replay import ReplayBuffer
 from sidecar.kvbridge.replay_server import ReplayLimits, serve_replay
 from sidecar.kvbridge.zmqio import advertised, bind
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +51,7 @@ class RankEndpoints:
 async def run_rank_publisher(
     ctx: zmq.Context[zmq.Socket[bytes]],
     rank: int,
-    receive: trio.MemoryReceiveChannel[list[EventBatch]],
+    receive: trio.MemoryReceiveChannel[list[OutBatch]],
     *,
     publish_endpoint: str,
     replay_endpoint: str | None,
@@ -65,8 +66,8 @@ async def run_rank_publisher(
     """Publish every batch from ``receive`` (lists of batches) for ``rank``; runs until the channel closes or cancel.
 
     Binds PUB (and the replay ROUTER) before reporting :class:`RankEndpoints`. Each batch
-    gets the next sequence number and this rank as ``data_parallel_rank``. ``heartbeat`` > 0:
-    the last batch again after that many idle seconds (module doc).
+    gets the next sequence number; its payload goes out as given. ``heartbeat`` > 0: an
+    empty batch after that many idle seconds, and again while idle (module doc).
     """
     metrics = RankMetrics(rank)
     topic_b = topic.encode()
@@ -98,40 +99,28 @@ async def run_rank_publisher(
             send = pub.send_multipart
             append = buffer.append
             events_out, batches_out, lag = metrics.events_out, metrics.batches_out, metrics.lag
-            last: bytes | None = None
+            idle = heartbeat if heartbeat > 0 else math.inf
             while True:
-                group: list[EventBatch] | None = None
-                idle = heartbeat if heartbeat > 0 and last is not None else math.inf
+                group: list[OutBatch] | None = None
                 with trio.move_on_after(idle):
                     try:
                         group = await receive.receive()
                     except trio.EndOfChannel:
                         break
                 if group is None:
-                    assert last is not None
-                    send([topic_b, seq.to_bytes(8, "big"), last], zmq.NOBLOCK)
-                    append(seq, last)
+                    payload = heartbeat_payload(time.time(), rank)
+                    send([topic_b, seq.to_bytes(8, "big"), payload], zmq.NOBLOCK)
+                    append(seq, payload)
                     seq += 1
                     metrics.heartbeats.inc()
                     continue
                 events = 0
-                for batch in group:
-                    batch.data_parallel_rank = rank
-                    try:
-                        payload = encode_batch(batch)
-                    except Exception as err:  # cannot happen for a decoded batch; never fatal
-                        log.warning(
-                            "KV rank %d: batch does not encode (%s); resyncing", rank, type(err).__name__
-                        )
-                        metrics.decode_errors.inc()
-                        batch = cleared_batch(batch.ts, rank)
-                        payload = encode_batch(batch)
+                for payload, n, _ts in group:
                     # PUB never blocks: a subscriber past its HWM loses messages and replays.
                     send([topic_b, seq.to_bytes(8, "big"), payload], zmq.NOBLOCK)
                     append(seq, payload)
                     seq += 1
-                    events += len(batch.events)
-                    last = payload
+                    events += n
                 events_out.inc(events)
                 batches_out.inc(len(group))
                 lag.set(time.time() - group[-1].ts)

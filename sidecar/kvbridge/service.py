@@ -1,4 +1,4 @@
-"""The KV event bridge service: engine KV sources in, one vLLM-format publisher per DP rank out.
+"""The KV event bridge service: engine KV sources in, one ZMQ publisher per DP rank out.
 
 Task tree (docs/design/architecture.md)::
 
@@ -7,8 +7,8 @@ Task tree (docs/design/architecture.md)::
        ├─ per rank: run_rank_publisher # owns PUB; child serve_replay owns the ROUTER (bounded)
        └─ per rank: ingest supervisor  # ZmqIngest (SUB + DEALER) or GrpcIngest (SubscribeKvEvents)
 
-Each rank's ingest sends normalized batches into a bounded memory channel read by that
-rank's publisher (a slow publisher pauses the ingest; libzmq then queues, and what it drops
+Each rank's ingest sends output batches (payloads ready to publish, ``OutBatch``) into a
+bounded memory channel read by that rank's publisher (a slow publisher pauses the ingest; libzmq then queues, and what it drops
 comes back through replay). An ingest that crashes on an unexpected error is logged and
 restarted after publishing ``AllBlocksCleared``; it never takes the other ranks (or the
 sidecar) down. Cancelling the surrounding scope closes every socket (``linger=0``).
@@ -28,7 +28,7 @@ import trio
 import zmq
 
 from sidecar.kvbridge.errors import KvConfigError, KvSourceError
-from sidecar.kvbridge.events import EventBatch, cleared_batch
+from sidecar.kvbridge.events import OutBatch, cleared_payload
 from sidecar.kvbridge.ingest_grpc import GrpcIngest
 from sidecar.kvbridge.ingest_limits import IngestLimits
 from sidecar.kvbridge.ingest_zmq import ZmqIngest
@@ -179,18 +179,26 @@ async def discover_sources(client: Any, config: KvBridgeConfig) -> list[KvSource
 
 
 async def _supervise(
-    make: Any, rank: int, out: trio.MemorySendChannel[list[EventBatch]], backoff: float
+    make: Any, rank: int, out: trio.MemorySendChannel[list[OutBatch]], backoff: float
 ) -> None:
-    """Run ``make().run`` forever; an unexpected crash is logged, resynced and restarted."""
+    """Run ``make().run`` forever; an unexpected crash is logged, resynced (``AllBlocksCleared``
+    in the crashed ingest's form) and restarted."""
     cleared = False
     while True:
+        ingest: Any = None
         try:
-            await make(cleared=cleared).run()
+            ingest = make(cleared=cleared)
+            await ingest.run()
             return
         except Exception:
             log.exception("KV rank %d: ingest crashed; resyncing and restarting", rank)
             RankMetrics(rank).resync("ingest_restart")
-            await out.send([cleared_batch(time.time(), rank)])
+            if ingest is not None:
+                batch = ingest.cleared()
+            else:
+                now = time.time()
+                batch = OutBatch(cleared_payload(now, rank), 1, now)
+            await out.send([batch])
             cleared = True
             await trio.sleep(backoff)
 
@@ -235,7 +243,7 @@ async def run_kv_bridge(
         async with open_background_nursery() as nursery:  # a bind failure at start: as itself
             infos: list[KvRankInfo] = []
             for src in plan:
-                send, receive = trio.open_memory_channel[list[EventBatch]](config.queue_size)
+                send, receive = trio.open_memory_channel[list[OutBatch]](config.queue_size)
                 ep: RankEndpoints = await nursery.start(
                     partial(
                         run_rank_publisher,

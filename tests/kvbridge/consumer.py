@@ -1,7 +1,8 @@
 """An independent consumer of the bridge's output, written from the spec (docs/KVBRIDGE.md).
 
 It does not import the bridge: frames ``[topic, seq (8 bytes BE), payload]``, payload a
-msgpack array ``[ts, [event map tagged by "type"], dp_rank]``, replay over a DEALER
+msgpack array ``[ts, [event...], dp_rank]`` with events as the engine wrote them (maps
+tagged by ``"type"``, or tagged arrays), replay over a DEALER
 (``[b"", start]`` -> ``[b"", topic, seq, payload]``... ``[b"", b"", 0xFF*8, b""]``). Like a
 real KV router it fills gaps in the live stream (including the start it missed while
 subscribing) through replay, and records when replay could not give everything.
@@ -21,52 +22,48 @@ import zmq
 from tests.kvbridge.fake_zmq_engine import END, zrecv
 
 EVENT_TYPES = {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
-STORED_REQUIRED = {
-    "block_hashes",
-    "parent_block_hash",
-    "token_ids",
-    "block_size",
-    "lora_id",
-    "medium",
-    "lora_name",
-}
 
 
 @dataclass
 class Published:
     seq: int
     ts: float
-    events: list[dict[str, Any]]
+    events: list[Any]  # maps tagged by "type", or tagged arrays
     rank: int | None
+    payload: bytes = b""
 
 
 def check_hash(h: Any) -> None:
-    assert isinstance(h, bytes) or (isinstance(h, int) and 0 <= h < 1 << 64), f"bad block hash {h!r}"
+    assert isinstance(h, bytes) or (isinstance(h, int) and -(1 << 63) <= h < 1 << 64), f"bad block hash {h!r}"
 
 
-def decode_payload(payload: bytes) -> tuple[float, list[dict[str, Any]], int | None]:
-    """Decode and validate one payload per the output spec."""
+def _check_event(ev: Any) -> None:
+    if isinstance(ev, list):  # a tagged array: [tag, block_hashes, parent (BlockStored), ...]
+        assert ev and ev[0] in EVENT_TYPES, ev
+        if ev[0] == "AllBlocksCleared":
+            return
+        hashes = list(ev[1]) + ([ev[2]] if ev[0] == "BlockStored" and ev[2] is not None else [])
+    else:
+        assert isinstance(ev, dict) and ev.get("type") in EVENT_TYPES, f"event is not a tagged map: {ev!r}"
+        if ev["type"] == "AllBlocksCleared":
+            assert ev == {"type": "AllBlocksCleared"}
+            return
+        hashes = list(ev["block_hashes"]) + (
+            [ev["parent_block_hash"]] if ev.get("parent_block_hash") is not None else []
+        )
+    for h in hashes:
+        check_hash(h)
+
+
+def decode_payload(payload: bytes) -> tuple[float, list[Any], int | None]:
+    """Decode and validate one payload per the output spec (events returned as decoded)."""
     raw = msgspec.msgpack.decode(payload)
-    assert isinstance(raw, list) and len(raw) == 3, f"payload is not [ts, events, rank]: {raw!r}"
-    ts, events, rank = raw
-    assert isinstance(ts, float)
+    assert isinstance(raw, list) and len(raw) >= 3, f"payload is not [ts, events, rank]: {raw!r}"
+    ts, events, rank = raw[:3]
+    assert isinstance(ts, int | float) and not isinstance(ts, bool)
     assert isinstance(events, list)
     for ev in events:
-        assert isinstance(ev, dict), f"event is not a map: {ev!r}"
-        assert ev.get("type") in EVENT_TYPES, ev
-        if ev["type"] == "BlockStored":
-            missing = STORED_REQUIRED - ev.keys()
-            assert not missing, f"BlockStored lacks {missing}"
-            for h in ev["block_hashes"]:
-                check_hash(h)
-            if ev["parent_block_hash"] is not None:
-                check_hash(ev["parent_block_hash"])
-        elif ev["type"] == "BlockRemoved":
-            assert {"block_hashes", "medium"} <= ev.keys()
-            for h in ev["block_hashes"]:
-                check_hash(h)
-        else:
-            assert ev == {"type": "AllBlocksCleared"}
+        _check_event(ev)
     return ts, events, rank
 
 
@@ -115,7 +112,7 @@ class Consumer:
 
     def _record(self, seq: int, payload: bytes) -> None:
         ts, events, rank = decode_payload(payload)
-        self.received.append(Published(seq, ts, events, rank))
+        self.received.append(Published(seq, ts, events, rank, payload))
 
     @property
     def next_seq(self) -> int:
@@ -162,7 +159,7 @@ class Consumer:
             self._record(seq, payload)
         return self.received
 
-    async def collect_events(self, n: int) -> list[dict[str, Any]]:
+    async def collect_events(self, n: int) -> list[Any]:
         """Until ``n`` events arrived; returns all events in order (seqs checked contiguous)."""
         await self.collect(lambda rs: sum(len(r.events) for r in rs) >= n)
         seqs = [r.seq for r in self.received]

@@ -92,6 +92,10 @@ def _wire_event(ev: dict[str, Any], style: str, negative: bool) -> Any:
     return out
 
 
+def _as_decoded(wire: Any) -> Any:
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(wire))
+
+
 def encode_wire(
     events: list[dict[str, Any]],
     style: str,
@@ -214,6 +218,15 @@ class FakeZmqEngine:
 
     def encode(self, events: list[dict[str, Any]], ts: float | None = None) -> bytes:
         return encode_wire(events, self.style, rank=self.rank, ts=ts, negative=self.negative_hashes)
+
+    def as_sent(self, *batches: list[dict[str, Any]]) -> list[Any]:
+        """The events of ``batches`` as this engine writes them, decoded by a consumer (flattened)."""
+        return [_as_decoded(_wire_event(e, self.style, self.negative_hashes)) for b in batches for e in b]
+
+    @property
+    def cleared(self) -> Any:
+        """``AllBlocksCleared`` in this engine's form."""
+        return self.as_sent([{"type": "AllBlocksCleared"}])[0]
 
     def publish(
         self, events: list[dict[str, Any]], *, send: bool = True, payload: bytes | None = None

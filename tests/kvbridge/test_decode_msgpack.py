@@ -1,4 +1,5 @@
-"""ZMQ msgpack payloads -> normalized events -> output payload (checked by the independent decoder)."""
+"""ZMQ msgpack payloads: the decoded view (validation), and the payload the bridge publishes for
+them — the engine's own, only its rank slot set (checked by the independent decoder)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from msgspec import UNSET
 
 from sidecar.kvbridge.decode_msgpack import MsgpackBatchDecoder, decode_msgpack_batch
 from sidecar.kvbridge.errors import KvDecodeError
@@ -16,8 +18,12 @@ from sidecar.kvbridge.events import (
     BlockRemoved,
     BlockStored,
     EventBatch,
+    cleared_payload,
     decode_output_batch,
     encode_batch,
+    heartbeat_payload,
+    published_payload,
+    with_rank,
 )
 from tests.kvbridge import gen
 from tests.kvbridge.consumer import decode_payload
@@ -27,11 +33,14 @@ STYLES = ["vllm-map", "vllm-array", "sglang", "sglang-array"]
 U64_MAX = (1 << 64) - 1
 
 
-def roundtrip(payload: bytes, rank: int | None = 0) -> tuple[float, list[dict], int | None]:
-    """Decode with the bridge, re-encode as output, decode independently."""
-    batch = decode_msgpack_batch(payload)
-    batch.data_parallel_rank = rank
-    return decode_payload(encode_batch(batch))
+def published(payload: bytes, rank: int = 0) -> bytes:
+    """What the bridge publishes for ``payload`` on ``rank`` (validated first, as the ingest does)."""
+    return published_payload(payload, decode_msgpack_batch(payload).data_parallel_rank, rank)
+
+
+def roundtrip(payload: bytes, rank: int = 0) -> tuple[float, list[dict], int | None]:
+    """Publish as the bridge does, decode independently."""
+    return decode_payload(published(payload, rank))
 
 
 #: (style, hash kind) pairs an engine can send: SGLang hashes are always ints.
@@ -42,19 +51,24 @@ STYLE_HASHES = [
 
 @pytest.mark.parametrize(("style", "hash_kind"), STYLE_HASHES)
 @pytest.mark.parametrize("negative", [False, True])
-def test_every_style_roundtrips_exactly(style: str, hash_kind: str, negative: bool) -> None:
+def test_every_style_passes_through_exactly(style: str, hash_kind: str, negative: bool) -> None:
     rng = random.Random(f"{style}{hash_kind}{negative}")
     decoder = MsgpackBatchDecoder()
     for _ in range(30):
         events = gen.batch(rng, rng.randint(0, 20), hash_kind=hash_kind, style=style)
         payload = encode_wire(events, style, rank=3, ts=12.5, negative=negative)
         batch = decoder.decode(payload)
-        assert batch.ts == 12.5
+        assert batch.ts == 12.5 and len(batch.events) == len(events)
         assert batch.data_parallel_rank == (None if style == "sglang-array" else 3)
-        batch.data_parallel_rank = 3
-        ts, out, rank = decode_payload(encode_batch(batch))
-        assert (ts, rank) == (12.5, 3)
-        assert out == events
+        out = published_payload(payload, batch.data_parallel_rank, 3)
+        if style == "sglang-array":  # [ts, events]: the rank slot added, nothing else
+            assert msgspec.msgpack.decode(out) == [*msgspec.msgpack.decode(payload), 3]
+        else:
+            assert out is payload
+        ts, sent, rank = decode_payload(out)
+        assert (ts, rank) == (12.5, 3) and sent == msgspec.msgpack.decode(payload)[1]
+        if events:
+            assert decoder.form == ("array" if style.endswith("array") else "map")
 
 
 def test_vllm_map_with_every_field() -> None:
@@ -79,7 +93,44 @@ def test_vllm_map_with_every_field() -> None:
     assert stored.block_hashes == [U64_MAX, 1 << 63, 7]
     assert stored.parent_block_hash == U64_MAX - 1
     assert stored.extra_keys == [["mm:1", 0], None, [["nested", 1], "salt"]]
-    assert roundtrip(payload)[1] == [ev]
+    assert published(payload) is payload and roundtrip(payload)[1] == [ev]
+
+
+def test_fields_the_bridge_does_not_know_pass_through() -> None:
+    """vLLM 0.32's locality / ownership / session_id, SGLang 0.5.23's cache_salt / session_id,
+    and a field no engine has yet: in the published payload as the engine wrote them."""
+    vllm = {
+        "type": "BlockStored",
+        "block_hashes": [1 << 63],
+        "parent_block_hash": None,
+        "token_ids": [1, 2],
+        "block_size": 2,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "locality": "LOCAL",
+        "ownership": "tier-2",
+        "session_id": "agent-7",
+    }
+    removed = {"type": "BlockRemoved", "block_hashes": [1 << 63], "medium": "GPU", "locality": "REMOTE"}
+    sglang = {
+        "type": "BlockStored",
+        "block_hashes": [-4611686018427387911],
+        "parent_block_hash": -1,
+        "token_ids": [3],
+        "block_size": 1,
+        "lora_id": None,
+        "medium": "CPU_PINNED",
+        "cache_salt": "salt",
+        "session_id": "s1",
+        "future": {"nested": [1, {"x": b"\x00"}]},
+    }
+    for events, rank in (([vllm, removed], 0), ([sglang], 4)):
+        payload = msgspec.msgpack.encode([7.5, events, rank])
+        assert published(payload, rank) is payload
+        assert roundtrip(payload, rank) == (7.5, events, rank)
+        # relabelled for another rank: still only the rank slot changes
+        assert roundtrip(payload, rank + 1) == (7.5, events, rank + 1)
 
 
 def test_tagged_arrays_full_and_truncated() -> None:
@@ -137,19 +188,65 @@ def test_mixed_maps_and_arrays_in_one_batch_and_map_batch() -> None:
     assert batch.ts == 3.0 and batch.data_parallel_rank == 5 and len(batch.events) == 2
 
 
-def test_negative_int64_hash_becomes_unsigned() -> None:
-    ev = ["BlockStored", [-1, -(1 << 63)], -2, [1], 1, None, "GPU", None]
-    (out,) = decode_msgpack_batch(msgspec.msgpack.encode([0.0, [ev], 0])).events
-    assert isinstance(out, BlockStored)
-    assert out.block_hashes == [U64_MAX, 1 << 63] and out.parent_block_hash == U64_MAX - 1
+@pytest.mark.parametrize("form", ["array", "map"])
+def test_signed_int64_hashes_stay_signed(form: str) -> None:
+    hashes, parent = [-1, -(1 << 63), -4611686018427387911], -2
+    if form == "array":
+        events: list[object] = [
+            ["BlockStored", hashes, parent, [1, 2, 3], 1, None, "GPU", None],
+            ["BlockRemoved", hashes],
+        ]
+    else:
+        stored_map = {
+            "type": "BlockStored",
+            "block_hashes": hashes,
+            "parent_block_hash": parent,
+            "token_ids": [1],
+        }
+        events = [stored_map, {"type": "BlockRemoved", "block_hashes": hashes}]
+    payload = msgspec.msgpack.encode([0.0, events, 0])
+    stored, removed = decode_msgpack_batch(payload).events
+    assert isinstance(stored, BlockStored) and isinstance(removed, BlockRemoved)
+    assert stored.block_hashes == hashes == removed.block_hashes and stored.parent_block_hash == parent
+    assert published(payload) is payload
+    assert roundtrip(payload)[1] == events  # -4611686018427387911 stays, not 13835058055282163705
 
 
 def test_decoder_adapts_to_the_source_shape_and_back() -> None:
     decoder = MsgpackBatchDecoder()
+    assert decoder.form is None
     m = msgspec.msgpack.encode([0.0, [{"type": "AllBlocksCleared"}], 0])
     a = msgspec.msgpack.encode([0.0, [["AllBlocksCleared"]], 0])
-    for p in (a, a, m, a, m, m):
-        assert decoder.decode(p).events == [AllBlocksCleared()]
+    empty = msgspec.msgpack.encode([0.0, [], 0])
+    for p, form in ((a, "array"), (a, "array"), (m, "map"), (a, "array"), (m, "map"), (empty, "map")):
+        assert decoder.decode(p).events == ([AllBlocksCleared()] if p != empty else [])
+        assert decoder.form == form  # an empty batch leaves the form as it was
+
+
+def test_payloads_the_bridge_writes_itself() -> None:
+    """AllBlocksCleared in the source's form; the heartbeat: no events."""
+    for form, ev in (("map", {"type": "AllBlocksCleared"}), ("array", ["AllBlocksCleared"])):
+        assert decode_payload(cleared_payload(2.5, 3, form)) == (2.5, [ev], 3)  # type: ignore[arg-type]
+    assert decode_payload(heartbeat_payload(9.0, 1)) == (9.0, [], 1)
+    decoded = decode_msgpack_batch(heartbeat_payload(9.0, 1))
+    assert decoded.events == [] and decoded.data_parallel_rank == 1
+
+
+def test_rank_slot_is_the_only_change() -> None:
+    ev = {"type": "AllBlocksCleared"}
+    two = msgspec.msgpack.encode([1.0, [ev]])  # no rank slot (older engines)
+    none = msgspec.msgpack.encode([1.0, [ev], None])  # vLLM without omit_defaults
+    other = msgspec.msgpack.encode([1.0, [ev], 5, "future"])  # another rank, a trailing field
+    as_map = msgspec.msgpack.encode({"ts": 1.0, "events": [ev], "attn_dp_rank": 2})
+    assert msgspec.msgpack.decode(published(two, 2)) == [1.0, [ev], 2]
+    assert msgspec.msgpack.decode(published(none, 2)) == [1.0, [ev], 2]
+    assert msgspec.msgpack.decode(published(other, 2)) == [1.0, [ev], 2, "future"]
+    assert msgspec.msgpack.decode(published(as_map, 2)) == [1.0, [ev], 2]  # a map-shaped batch: an array
+    same = msgspec.msgpack.encode([1.0, [ev], 2, "future"])
+    assert published(same, 2) is same
+    big = msgspec.msgpack.encode([1.0, [ev] * 20, 2])  # array 16 events list: the batch itself a fixarray
+    assert published(big, 2) is big
+    assert with_rank(msgspec.msgpack.encode([1, [], 0]), 70000) == msgspec.msgpack.encode([1, [], 70000])
 
 
 @pytest.mark.parametrize(
@@ -235,18 +332,23 @@ _events = st.lists(st.one_of(_stored, _removed, st.just({"type": "AllBlocksClear
 
 @settings(max_examples=150, deadline=None)
 @given(events=_events, style=st.sampled_from(["vllm-map", "vllm-array"]), ts=st.floats(0, 2e9))
-def test_property_decode_encode_is_lossless(events: list[dict], style: str, ts: float) -> None:
-    assert roundtrip(encode_wire(events, style, rank=1, ts=ts), rank=1) == (ts, events, 1)
+def test_property_published_payload_is_the_engines(events: list[dict], style: str, ts: float) -> None:
+    payload = encode_wire(events, style, rank=1, ts=ts)
+    assert published(payload, 1) is payload
+    assert roundtrip(payload, 1) == (ts, msgspec.msgpack.decode(payload)[1], 1)
 
 
-def test_optional_fields_placeholders_and_explicit_nones() -> None:
+def test_view_of_optional_fields_placeholders_and_explicit_nones() -> None:
     arr = ["BlockStored", [1], None, [1], 1, None, "GPU", None, None, 3]  # extra_keys slot is a placeholder
     mp = {"type": "BlockStored", "block_hashes": [2], "extra_keys": None, "group_idx": None}
     rm = ["BlockRemoved", [3], None, None]
-    _, out, _ = roundtrip(msgspec.msgpack.encode([0.0, [arr, mp, rm], 0]))
-    assert "extra_keys" not in out[0] and out[0]["group_idx"] == 3
-    assert out[1]["extra_keys"] is None and out[1]["group_idx"] is None  # an engine's explicit None is kept
-    assert out[2] == {"type": "BlockRemoved", "block_hashes": [3], "medium": None}
+    payload = msgspec.msgpack.encode([0.0, [arr, mp, rm], 0])
+    a, b, c = decode_msgpack_batch(payload).events
+    assert isinstance(a, BlockStored) and isinstance(b, BlockStored) and isinstance(c, BlockRemoved)
+    assert a.extra_keys is UNSET and a.group_idx == 3
+    assert b.extra_keys is None and b.group_idx is None  # an engine's explicit None is kept
+    assert c.group_idx is UNSET
+    assert roundtrip(payload)[1] == [arr, mp, rm]  # published as written, placeholders included
 
 
 def test_vllm_maps_decode_straight_into_the_output_model() -> None:
@@ -260,6 +362,9 @@ def test_vllm_maps_decode_straight_into_the_output_model() -> None:
     }
     batch = decoder.decode(msgspec.msgpack.encode([0.0, [ev], 0]))
     assert type(batch.events[0]) is BlockStored and decoder._last == 0  # the fast path
-    neg = {**ev, "block_hashes": [-1]}
-    assert decoder.decode(msgspec.msgpack.encode([0.0, [neg], 0])).events[0].block_hashes == [U64_MAX]  # type: ignore[union-attr]
-    assert decoder._last == 1  # the normalizing map path
+    neg = {**ev, "block_hashes": [-1], "cache_salt": "s"}  # SGLang 0.5.23: signed hashes, its own fields
+    assert decoder.decode(msgspec.msgpack.encode([0.0, [neg], 0])).events[0].block_hashes == [-1]  # type: ignore[union-attr]
+    assert decoder._last == 0  # still the fast path
+    meta = {**ev, "lora_name": {"cache_salt": "s"}}  # older SGLang's metadata map
+    assert decoder.decode(msgspec.msgpack.encode([0.0, [meta], 0])).events[0].metadata == {"cache_salt": "s"}  # type: ignore[union-attr]
+    assert decoder._last == 1

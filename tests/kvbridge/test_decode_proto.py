@@ -1,4 +1,4 @@
-"""pb.KvEventBatch -> normalized events."""
+"""pb.KvEventBatch -> the bridge's model (vLLM's map form): the field mapping of the one re-encoded source."""
 
 from __future__ import annotations
 
@@ -24,7 +24,9 @@ def h(value: bytes, encoding: str) -> pb.KvBlockHash:
         ((1 << 63).to_bytes(8, "big"), "uint64", 1 << 63),
         ((5).to_bytes(8, "big"), "INT64", 5),
         (b"\x01\x00", "u64", 256),
-        (b"-1", "decimal_int64", U64_MAX),
+        (b"-1", "decimal_int64", -1),  # decimal: as written, sign kept
+        (b"-4611686018427387911", "decimal", -4611686018427387911),
+        (b"-9223372036854775808", "decimal_int64", -(1 << 63)),
         (b"18446744073709551615", "decimal", U64_MAX),
         (b"42", "string", 42),
         (b"9f86d081", "string", b"9f86d081"),
@@ -47,6 +49,7 @@ def test_block_hash_encodings(value: bytes, encoding: str, expected: int | bytes
         (b"12a", "decimal"),
         (b"\xff\xfe", "decimal"),
         (b"99999999999999999999999", "decimal"),
+        (b"-9223372036854775809", "decimal_int64"),
     ],
 )
 def test_bad_block_hashes(value: bytes, encoding: str) -> None:
