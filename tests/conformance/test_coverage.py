@@ -27,12 +27,11 @@ from sidecar.conformance.runner import all_checks
 from sidecar.core.lifecycle import FAILED, LifecycleConfig, Outcome, StreamSupervisor
 from sidecar.kvbridge.decode_proto import batch_from_proto
 from sidecar.kvbridge.errors import KvDecodeError
-from sidecar.mock.testing import run_mock_engine
 from sidecar.openengine import pb
 from sidecar.openengine.client import EngineClient, open_engine_client
 from sidecar.openengine.errors import EngineTerminalError
-from sidecar.openengine.raw import raw_subscribe_kv_events
 from sidecar.openengine.stream_rules import CONFORMANCE_CHECKS, KvEventRules, StreamRuleError, Violation
+from tests.mock_engines import run_mock_engine
 
 from .helpers import explain, ids, mock, suite
 
@@ -214,7 +213,7 @@ async def _kv_rules(client: EngineClient, case: Case) -> Violation | None:
     """KvEventRules over the raw stream of a snapshot subscription."""
     rules = KvEventRules()
     request = pb.SubscribeKvEventsRequest(data_parallel_ranks=[0], include_snapshot=True)
-    async with raw_subscribe_kv_events(client, request) as stream:
+    async with client.subscribe_kv_events(request, checked=False) as stream:
         async for resp in stream:
             try:
                 rules.observe(resp)
