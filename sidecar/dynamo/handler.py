@@ -21,7 +21,9 @@ WebSocket plane (``Sidecar.admit`` / ``Sidecar.run_stream``):
   stops or kills the request ``context``. The stream task watches
   ``context.async_killed_or_stopped()`` in its own nursery and cancels the stream — the
   lifecycle then closes the upstream and sends ``Abort``. If Dynamo closes the generator
-  instead, its ``finally`` cancels the stream the same way.
+  instead, its ``finally`` cancels the stream the same way — handed to trio thread-safely
+  (``TrioToken.run_sync_soon``), since the runtime may close it from its own thread or loop,
+  and garbage collection from anywhere.
 - A stream that did not complete ends with a ``dynamo.llm.exceptions`` error
   (``mapping.error_kind``): 400-class for client errors, retryable kinds for draining or
   engine loss, nothing when Dynamo itself stopped the request.
@@ -117,6 +119,7 @@ class StreamBridge:
         self.active = 0
         self._nursery: trio.Nursery | None = None
         self._context: contextvars.Context | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
 
     # -- trio side ---------------------------------------------------------------------------
 
@@ -127,6 +130,7 @@ class StreamBridge:
             batch_ready_callbacks(self.loop)
         async with trio.open_nursery() as nursery:
             self._context = contextvars.copy_context()
+            self._token = trio.lowlevel.current_trio_token()
             self._nursery = nursery
             task_status.started()
             try:
@@ -266,8 +270,24 @@ class StreamBridge:
                         break
                 yield item
         finally:
+            self._abandon(job, recv)
+
+    def _abandon(self, job: Job, recv: trio.MemoryReceiveChannel[Any]) -> None:
+        """The handler is gone: cancel its stream and close its channel, in trio. Safe from any
+        thread, loop or finalizer (Dynamo's runtime may close the generator from its own thread,
+        garbage collection from anywhere): trio's state is only touched in trio's own thread."""
+
+        def abandon() -> None:
             job.abandon()
             recv.close()
+
+        token = self._token
+        if token is None:  # never served (the job was refused before it started)
+            return
+        try:
+            token.run_sync_soon(abandon)
+        except trio.RunFinishedError:
+            pass  # trio has ended: nothing is left to cancel
 
 
 def _request_id(context: Any) -> str:

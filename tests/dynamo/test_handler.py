@@ -9,6 +9,8 @@ engine's side (its ground-truth counters).
 from __future__ import annotations
 
 import asyncio
+import gc
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -17,7 +19,7 @@ import pytest
 import trio
 import trio_asyncio
 
-from sidecar.core.lifecycle import OUTCOME_COMPLETED, Outcome
+from sidecar.core.lifecycle import OUTCOME_COMPLETED, Outcome, StreamHandle
 from sidecar.core.sidecar import Sidecar, SidecarConfig
 from sidecar.dynamo.handler import StreamBridge
 from sidecar.mock import tokenizer as tok
@@ -52,7 +54,9 @@ class FakeContext:
 
 
 @asynccontextmanager
-async def bridge(aio_loop: Any, **engine: Any) -> AsyncIterator[tuple[StreamBridge, InProcessEngine]]:
+async def bridge(
+    aio_loop: Any, buffer: int = 64, **engine: Any
+) -> AsyncIterator[tuple[StreamBridge, InProcessEngine]]:
     async with (
         mock_engine_in_process(**engine) as eng,
         open_engine_client(eng.address) as client,
@@ -61,7 +65,7 @@ async def bridge(aio_loop: Any, **engine: Any) -> AsyncIterator[tuple[StreamBrid
         sidecar = Sidecar(client, SidecarConfig())
         await sidecar.startup()
         await nursery.start(sidecar.supervisor.run_service)
-        b = StreamBridge(sidecar, aio_loop)
+        b = StreamBridge(sidecar, aio_loop, buffer=buffer)
         await nursery.start(b.run)
         yield b, eng
         nursery.cancel_scope.cancel()
@@ -136,6 +140,59 @@ async def test_closed_generator_cancels_the_stream(aio_loop: Any) -> None:
             await trio_asyncio.aio_as_trio(take_two)()
             c = await wait_idle(eng, b)
             assert c["aborts_received_by_id"] == {"closed": 1} and c["requests_leaked"] == 0
+            assert b.active == 0
+
+
+@pytest.mark.parametrize("how", ["another-thread-loop", "garbage-collected-in-another-thread"])
+async def test_a_generator_finalised_outside_trio_still_cancels_its_stream(
+    aio_loop: Any, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dynamo's runtime may close the handler's generator from its own thread or event loop, and
+    garbage collection may finalise it anywhere — here while the stream waits for the handler to
+    take a chunk (its channel full): the stream is still cancelled, in trio's own thread, and the
+    engine gets its Abort. (Cancelled from another thread, a stream's scope with a deadline
+    raised "must be called from async context" half-way, its task never woke, and the engine went
+    on generating.)"""
+    cancelled_in: list[threading.Thread] = []
+    cancel = StreamHandle.cancel
+
+    def recording(self: StreamHandle, reason: Outcome) -> None:
+        cancelled_in.append(threading.current_thread())
+        cancel(self, reason)
+
+    monkeypatch.setattr(StreamHandle, "cancel", recording)
+    with trio.fail_after(20):
+        async with bridge(aio_loop, buffer=2, token_delay_ms=20.0) as (b, eng):
+            req = dynamo_request(stop_conditions={"max_tokens": 1000, "ignore_eos": True})
+            held: list[Any] = []
+
+            async def take_two() -> None:
+                gen = b.handler(req, FakeContext(how))
+                await gen.__anext__()
+                await gen.__anext__()
+                held.append(gen)
+
+            await trio_asyncio.aio_as_trio(take_two)()
+            job = held[0].ag_frame.f_locals["job"]  # the generator's own request
+            await eventually(lambda: job.send.statistics().tasks_waiting_send == 1)
+            errors: list[BaseException] = []
+
+            def finalise_elsewhere() -> None:
+                try:
+                    if how == "another-thread-loop":
+                        asyncio.run(held[0].aclose())  # another thread, another event loop
+                    else:
+                        held.clear()  # the last reference: finalised in this thread
+                        gc.collect()
+                except BaseException as err:
+                    errors.append(err)
+
+            await trio.to_thread.run_sync(finalise_elsewhere)
+            held.clear()
+            c = await wait_idle(eng, b)
+            assert errors == []
+            assert cancelled_in == [threading.main_thread()]
+            assert c["aborts_received_by_id"] == {how: 1} and c["requests_leaked"] == 0
             assert b.active == 0
 
 
