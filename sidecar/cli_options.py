@@ -175,7 +175,7 @@ class EngineAddressType(click.ParamType):
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         from sidecar.openengine.address import parse_engine_address
-        from sidecar.openengine.errors import EngineConfigError
+        from sidecar.openengine.engine_errors import EngineConfigError
 
         try:
             parse_engine_address(str(value))

@@ -16,7 +16,7 @@ from typing import NoReturn
 import trio
 from prometheus_client import Counter, Histogram
 
-from sidecar.metrics import REGISTRY
+from sidecar.metrics_registry import REGISTRY
 
 log = logging.getLogger(__name__)
 

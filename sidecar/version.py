@@ -16,8 +16,13 @@ import subprocess
 from pathlib import Path
 
 from sidecar import __version__
-from sidecar.openengine.releases import FEATURES, KNOWN_RELEASES
-from sidecar.openengine.revision import CLIENT_REVISION, SCHEMA_RELEASE, SCHEMA_REPOSITORY
+from sidecar.openengine.releases import (
+    CLIENT_REVISION,
+    FEATURES,
+    KNOWN_RELEASES,
+    SCHEMA_RELEASE,
+    SCHEMA_REPOSITORY,
+)
 
 __all__ = ["SCHEMA_RELEASE", "UNKNOWN_COMMIT", "VERSION", "build_info", "source_commit", "version_text"]
 

@@ -43,14 +43,14 @@ import trio
 
 from sidecar.openengine import pb
 from sidecar.openengine.client import EngineStream, MessageDecoder
-from sidecar.openengine.codec import decode_generate_response
-from sidecar.openengine.errors import (
+from sidecar.openengine.engine_errors import (
     EngineClientError,
     EngineMessageTooLarge,
     EngineStatusError,
     EngineTerminalError,
     EngineUnavailable,
 )
+from sidecar.openengine.schema.decode import decode_generate_response
 from sidecar.openengine.stream_rules import DrainRules, GenerateRules
 
 #: A Generate script: sends the engine's events for one request (then returns: end of stream).

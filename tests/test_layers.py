@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent / "sidecar"
 RANK: dict[str, int] = {
     "nursery": 0,
     "addresses": 0,
-    "metrics": 0,
+    "metrics_registry": 0,
     "logs": 0,
     "cli_common": 1,
     "cli_help": 1,
@@ -48,11 +48,15 @@ RANK: dict[str, int] = {
 
 #: third-party top-level module -> the sidecar packages (or single files) allowed to import it.
 CONFINED: dict[str, tuple[str, ...]] = {
-    "grpclib": ("openengine",),
-    "h2": ("openengine",),
-    "hpack": ("openengine",),
+    # grpclib serves the asyncio programs (simulated engines, engine adapters); the sidecar's
+    # own engine client is trio-native
+    "grpclib": ("openengine/serving",),
+    "h2": ("openengine/serving",),
+    "hpack": ("openengine/transport",),
     # dynamo: Dynamo's runtime is asyncio and calls the worker's handler on the loop
-    "asyncio": ("openengine", "mock", "bench", "engines", "dynamo"),
+    "asyncio": ("openengine/serving", "mock", "bench", "engines", "dynamo"),
+    # the one asyncio loop in a sidecar process: Dynamo mode's
+    "trio_asyncio": ("dynamo",),
     # the fleet benchmark's anchor is a Dynamo worker of its own (its own process, no sidecar code)
     "dynamo": ("dynamo", "bench/dynamo_anchor.py"),
     "vllm": ("engines",),
@@ -97,4 +101,29 @@ def test_imports_point_down_the_layers(path: Path) -> None:
                 assert RANK[target] < RANK[owner], f"{rel} imports {name}: {target} is not below {owner}"
         elif top in CONFINED:
             allowed = CONFINED[top]
-            assert owner in allowed or rel in allowed, f"{rel} imports {name}: only {allowed} may"
+            assert owner in allowed or any(rel == a or rel.startswith(a + "/") for a in allowed), (
+                f"{rel} imports {name}: only {allowed} may"
+            )
+
+
+#: The packages every request crosses (plus the top-level modules): no two modules of one name.
+REQUEST_PATH = ("core", "north", "openengine")
+
+
+def test_no_two_modules_of_one_name_on_the_request_path() -> None:
+    paths = [p for p in _modules() if p.name != "__init__.py"]
+    on_path = [p for p in paths if len(p.relative_to(ROOT).parts) == 1 or _owner(p) in REQUEST_PATH]
+    names: dict[str, list[str]] = {}
+    for p in on_path:
+        names.setdefault(p.stem, []).append(str(p.relative_to(ROOT)))
+    assert {n: ps for n, ps in names.items() if len(ps) > 1} == {}
+
+
+def test_no_class_name_is_defined_twice_in_production() -> None:
+    """Outside the generated bindings, one class per name (a reader greps for it once)."""
+    where: dict[str, list[str]] = {}
+    for p in _modules():
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(str(p.relative_to(ROOT)))
+    assert {n: ps for n, ps in where.items() if len(ps) > 1} == {}

@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from sidecar.loopwatch import LOOP_STALLS, watch_loop
-from sidecar.metrics import REGISTRY
+from sidecar.metrics_registry import REGISTRY
 
 
 def lag_count() -> float:

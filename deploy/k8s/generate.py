@@ -23,7 +23,7 @@ import yaml
 from sidecar.cli_options import env_name
 from sidecar.core.shutdown import stop_timeout
 from sidecar.dynamo.plane import LEAVE_TIMEOUT
-from sidecar.openengine.revision import SCHEMA_RELEASE
+from sidecar.openengine.releases import SCHEMA_RELEASE
 from sidecar.run_command import run as run_command
 
 HERE = Path(__file__).resolve().parent

@@ -168,7 +168,7 @@ async def cancel_engineclient(spec: dict[str, Any], cpu: Callable[[], dict[str, 
     """Direct anchor of the cancellation storm: the same two phases; a cancel is leaving the
     ``generate`` block (HTTP/2 reset), then an Abort as the sidecar sends (kind ``reset``)."""
     from sidecar.openengine import pb
-    from sidecar.openengine.errors import EngineClientError
+    from sidecar.openengine.engine_errors import EngineClientError
 
     n, nonce = spec["streams"], spec["nonce"]
     rng = random.Random(spec.get("seed", 2))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 
-from sidecar.openengine._grpclib_internals import advertise_max_concurrent_streams
+from sidecar.openengine.serving._grpclib_internals import advertise_max_concurrent_streams
 
 
 def lean_load_attributes() -> None:
@@ -29,7 +29,7 @@ def lean_load_attributes() -> None:
     """
     from sidecar.mock.services import SimulatedControl
     from sidecar.openengine import pb
-    from sidecar.openengine.server import request_metadata
+    from sidecar.openengine.serving.grpc_server import request_metadata
 
     full_get_load = SimulatedControl.get_load
 

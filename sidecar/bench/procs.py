@@ -90,7 +90,7 @@ async def engine(tmp: Path, opts: EngineOptions) -> AsyncIterator[tuple[Proc, st
 
 
 @dataclass
-class Sidecar:
+class SidecarProcess:
     proc: Proc
     ws: str
     http: str
@@ -99,7 +99,7 @@ class Sidecar:
 @asynccontextmanager
 async def sidecar(
     engine_address: str, *extra: str, command: Sequence[str] = (), env: dict[str, str] | None = None
-) -> AsyncIterator[Sidecar]:
+) -> AsyncIterator[SidecarProcess]:
     """``openengine-sidecar run`` in front of the engine, on ephemeral ports, high stream limits.
 
     ``command`` replaces ``python -m sidecar`` (e.g. a script that patches the sidecar before
@@ -108,7 +108,7 @@ async def sidecar(
     argv += ["--max-streams", "50000", "--max-streams-per-connection", "50000", *extra]
     async with spawn("sidecar", argv, env) as proc:
         m = await wait_ready(proc, SIDECAR_READY)
-        yield Sidecar(proc, m.group(1), m.group(2))
+        yield SidecarProcess(proc, m.group(1), m.group(2))
 
 
 async def run_worker(

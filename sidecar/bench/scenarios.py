@@ -32,7 +32,7 @@ class Bench:
         tmp: Path,
         engine: procs.Proc,
         engine_address: str,
-        sidecar: procs.Sidecar,
+        sidecar: procs.SidecarProcess,
         *,
         pb2_dir: Path | None,
         model: str,
@@ -48,7 +48,7 @@ class Bench:
         self.say = say
         self._nonces = itertools.count(1)
 
-    def spec(self, mode: str, *, sidecar: procs.Sidecar | None = None, **kw: Any) -> dict[str, Any]:
+    def spec(self, mode: str, *, sidecar: procs.SidecarProcess | None = None, **kw: Any) -> dict[str, Any]:
         sc = sidecar or self.sidecar
         spec = {
             "mode": mode,
@@ -365,7 +365,7 @@ async def scale(b: Bench) -> dict[str, Any]:
             seen: dict[str, Any] = {}
 
             async def armed(
-                info: dict[str, Any], sc: procs.Sidecar = sc, seen: dict[str, Any] = seen
+                info: dict[str, Any], sc: procs.SidecarProcess = sc, seen: dict[str, Any] = seen
             ) -> None:
                 await trio.sleep(1.0)
                 seen["rss"] = stats.rss_kib(sc.proc.pid)

@@ -105,7 +105,9 @@ async def vllm(b: Bench) -> dict[str, Any]:
         raise first_leaf(failed) from None
 
 
-async def _round(b: Bench, sc: procs.Sidecar, address: str, pids: dict[str, int], r: int) -> dict[str, Any]:
+async def _round(
+    b: Bench, sc: procs.SidecarProcess, address: str, pids: dict[str, int], r: int
+) -> dict[str, Any]:
     """One round: the sidecar half and the direct half at once (vLLM batches them together)."""
     c = b.config
     common = {"streams": c.vllm_streams, "tokens": c.vllm_tokens, "prompt_tokens": c.vllm_prompt_tokens}

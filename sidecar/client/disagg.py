@@ -98,7 +98,7 @@ from sidecar.north import wire
 from sidecar.north.pbjson import PbJsonError, message_from_json
 from sidecar.nursery import open_background_nursery
 from sidecar.openengine import pb
-from sidecar.openengine.errors import wire_name
+from sidecar.openengine.engine_errors import wire_name
 
 __all__ = [
     "Attempt",

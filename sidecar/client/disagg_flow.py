@@ -17,7 +17,7 @@ import trio
 from sidecar.client.sidecar_client import SidecarClient, SidecarConnectionError, SidecarError, SidecarStream
 from sidecar.north import wire
 from sidecar.openengine import pb
-from sidecar.openengine.errors import wire_name
+from sidecar.openengine.engine_errors import wire_name
 
 __all__ = ["Attempt", "DisaggError", "DisaggFlow", "FlowEnd"]
 

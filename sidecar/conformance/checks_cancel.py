@@ -26,7 +26,7 @@ from sidecar.conformance.context import Context, LiveStream
 from sidecar.conformance.model import Fail, Skip, check, require
 from sidecar.conformance.streams import StreamRecord
 from sidecar.openengine import pb
-from sidecar.openengine.revision import spec_url
+from sidecar.openengine.releases import spec_url
 
 LIFECYCLE = spec_url("health-abort-and-drain")
 FREE_WITHIN = 1.0

@@ -10,9 +10,14 @@ from sidecar.conformance.model import Fail, Skip, check, require
 from sidecar.core.handoff_profiles import derive_profile
 from sidecar.core.negotiation import RELEASE_FORMS, numbering_of
 from sidecar.openengine import pb
-from sidecar.openengine.errors import EngineStatusError
-from sidecar.openengine.releases import CLIENT_REVISIONS, find_known, parse_release
-from sidecar.openengine.revision import OLDEST_SERVER_REVISION, spec_url
+from sidecar.openengine.engine_errors import EngineStatusError
+from sidecar.openengine.releases import (
+    CLIENT_REVISIONS,
+    OLDEST_SERVER_REVISION,
+    find_known,
+    parse_release,
+    spec_url,
+)
 
 IDENTITY = spec_url("server-identity-deployment-capacity-and-engine-roles")
 MODELS = spec_url("model-identity-and-capabilities")

@@ -23,8 +23,8 @@ from sidecar.conformance.context import Context, describe_status
 from sidecar.conformance.model import Fail, Skip, check, require
 from sidecar.nursery import open_background_nursery
 from sidecar.openengine import pb
-from sidecar.openengine.errors import EngineClientError, EngineStatusError, EngineUnavailable
-from sidecar.openengine.revision import spec_url
+from sidecar.openengine.engine_errors import EngineClientError, EngineStatusError, EngineUnavailable
+from sidecar.openengine.releases import spec_url
 
 LIFECYCLE = spec_url("health-abort-and-drain")
 DRAIN_WITHIN = 5.0

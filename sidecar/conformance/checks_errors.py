@@ -13,7 +13,7 @@ from sidecar.conformance.context import Context, describe_status
 from sidecar.conformance.model import Skip, check, require
 from sidecar.conformance.streams import StreamRecord
 from sidecar.openengine import pb
-from sidecar.openengine.revision import spec_url
+from sidecar.openengine.releases import spec_url
 
 ERRORS = spec_url("standard-errors")
 METADATA = spec_url("grpc-request-metadata")

@@ -11,7 +11,7 @@ from sidecar.conformance.corpus import Corpus, get_corpus
 from sidecar.conformance.model import Fail, Skip, check, require
 from sidecar.conformance.streams import StreamRecord
 from sidecar.openengine import pb
-from sidecar.openengine.revision import spec_url
+from sidecar.openengine.releases import spec_url
 
 GENERATION = spec_url("generation-api")
 ERRORS = spec_url("standard-errors")

@@ -31,7 +31,7 @@ from sidecar.conformance.kv_watch import (
     watch_ranks,
 )
 from sidecar.conformance.model import Fail, Skip, check, require
-from sidecar.openengine.revision import spec_url
+from sidecar.openengine.releases import spec_url
 
 KV = spec_url("kv-connector-and-kv-events")
 WAIT = 3.0

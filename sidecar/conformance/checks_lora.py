@@ -13,8 +13,8 @@ import secrets
 from sidecar.conformance.context import Context, describe_status
 from sidecar.conformance.model import Skip, check, require
 from sidecar.openengine import pb
-from sidecar.openengine.errors import EngineStatusError
-from sidecar.openengine.revision import spec_url
+from sidecar.openengine.engine_errors import EngineStatusError
+from sidecar.openengine.releases import spec_url
 
 LORA = spec_url("lora-lifecycle")
 

@@ -25,8 +25,8 @@ from sidecar.core.errors import DiscoveryError, Rejection, error_code_name
 from sidecar.core.handoff import check_decode_session
 from sidecar.nursery import open_background_nursery
 from sidecar.openengine import pb
-from sidecar.openengine.errors import EngineClientError
-from sidecar.openengine.revision import spec_url
+from sidecar.openengine.engine_errors import EngineClientError
+from sidecar.openengine.releases import spec_url
 
 PD = spec_url("disaggregated-serving-and-kv-api")
 PROMPT = "Prefill and decode must agree on every block of this prompt, " * 4

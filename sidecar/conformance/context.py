@@ -22,7 +22,7 @@ from sidecar.conformance.model import Fail, Skip
 from sidecar.conformance.streams import StreamRecord, kind, terminal_position
 from sidecar.openengine import pb
 from sidecar.openengine.client import EngineClient, MetadataLike
-from sidecar.openengine.errors import (
+from sidecar.openengine.engine_errors import (
     EngineClientError,
     EngineProtocolError,
     EngineStatusError,

@@ -41,7 +41,7 @@ from sidecar.kvbridge.replay import parse_upstream_reply, seq_bytes
 from sidecar.kvbridge.zmqio import recv_multipart
 from sidecar.nursery import open_background_nursery
 from sidecar.openengine import pb
-from sidecar.openengine.errors import EngineClientError, EngineProtocolError, EngineStatusError
+from sidecar.openengine.engine_errors import EngineClientError, EngineProtocolError, EngineStatusError
 
 PROBE = 0.5
 #: Longest wait for a ZMQ subscriber's handshake with its publisher.

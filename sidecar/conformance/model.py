@@ -17,8 +17,8 @@ from typing import Any
 __all__ = [
     "CHECKS",
     "Check",
+    "CheckResult",
     "Fail",
-    "Result",
     "Skip",
     "Status",
     "check",
@@ -61,7 +61,7 @@ def require(condition: object, reason: str, details: Iterable[str] = ()) -> None
 @dataclass(frozen=True)
 class Check:
     """One registered check. ``rule`` is the OpenEngine rule it enforces, ``ref`` where
-    that rule is written (a URL of a section of the schema's api.md at the release we build from: :func:`sidecar.openengine.revision.spec_url`)."""
+    that rule is written (a URL of a section of the schema's api.md at the release we build from: :func:`sidecar.openengine.releases.spec_url`)."""
 
     id: str
     rule: str
@@ -76,7 +76,7 @@ class Check:
 
 
 @dataclass
-class Result:
+class CheckResult:
     """The outcome of one check."""
 
     check: Check

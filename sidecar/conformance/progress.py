@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TextIO
 
-from sidecar.conformance.model import Check, Result, Status
+from sidecar.conformance.model import Check, CheckResult, Status
 
 __all__ = ["LineProgress"]
 
@@ -28,7 +28,7 @@ class LineProgress:
             self.out.write(f"{_CLEAR}[{index + 1:>{len(str(total))}}/{total}] {check.id} …")
             self.out.flush()
 
-    def finished(self, index: int, total: int, result: Result) -> None:
+    def finished(self, index: int, total: int, result: CheckResult) -> None:
         prefix = _CLEAR if self.tty else ""
         reason = f": {result.reason}" if result.reason and result.status != Status.PASS else ""
         line = (

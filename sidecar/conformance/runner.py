@@ -32,13 +32,12 @@ import trio
 from sidecar import __version__
 from sidecar.conformance.context import Context, SuiteOptions
 from sidecar.conformance.kv_watch import open_monitor
-from sidecar.conformance.model import CHECKS, Check, Fail, Result, Skip, Status, select_checks
+from sidecar.conformance.model import CHECKS, Check, CheckResult, Fail, Skip, Status, select_checks
 from sidecar.nursery import lone_exception
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
-from sidecar.openengine.errors import EngineClientError, EngineConfigError, EngineUnavailable
-from sidecar.openengine.releases import find_known, parse_release
-from sidecar.openengine.revision import CLIENT_REVISION, SCHEMA_RELEASE
+from sidecar.openengine.engine_errors import EngineClientError, EngineConfigError, EngineUnavailable
+from sidecar.openengine.releases import CLIENT_REVISION, SCHEMA_RELEASE, find_known, parse_release
 
 __all__ = ["GROUP_ORDER", "Progress", "Report", "SuiteError", "all_checks", "run_check", "run_suite"]
 
@@ -64,7 +63,7 @@ class SuiteError(Exception):
 class Progress(Protocol):
     def started(self, index: int, total: int, check: Check) -> None: ...
 
-    def finished(self, index: int, total: int, result: Result) -> None: ...
+    def finished(self, index: int, total: int, result: CheckResult) -> None: ...
 
 
 def all_checks() -> list[Check]:
@@ -82,7 +81,7 @@ class Report:
 
     options: SuiteOptions
     engines: dict[str, dict[str, Any]] = field(default_factory=dict)
-    results: list[Result] = field(default_factory=list)
+    results: list[CheckResult] = field(default_factory=list)
     deselected: list[str] = field(default_factory=list)
     started_at: str = ""
     duration: float = 0.0
@@ -136,8 +135,8 @@ def _engine_json(address: str, info: pb.ServerInfo) -> dict[str, Any]:
     }
 
 
-async def run_check(ctx: Context, check: Check) -> Result:
-    """Run one check to a :class:`Result` (never raises, except cancellation of the caller)."""
+async def run_check(ctx: Context, check: Check) -> CheckResult:
+    """Run one check to a :class:`CheckResult` (never raises, except cancellation of the caller)."""
     timeout = ctx.options.check_timeout or check.timeout
     start = trio.current_time()
     try:
@@ -147,20 +146,20 @@ async def run_check(ctx: Context, check: Check) -> Result:
         except BaseExceptionGroup as group:
             raise lone_exception(group) from None
     except Skip as skip:
-        return Result(check, Status.SKIP, skip.reason, duration=trio.current_time() - start)
+        return CheckResult(check, Status.SKIP, skip.reason, duration=trio.current_time() - start)
     except Fail as fail:
-        return Result(check, Status.FAIL, fail.reason, fail.details, trio.current_time() - start)
+        return CheckResult(check, Status.FAIL, fail.reason, fail.details, trio.current_time() - start)
     except trio.TooSlowError:
         reason = f"did not finish within {timeout:g} s"
-        return Result(check, Status.FAIL, reason, duration=trio.current_time() - start)
+        return CheckResult(check, Status.FAIL, reason, duration=trio.current_time() - start)
     except EngineClientError as err:
         reason = f"{type(err).__name__}: {err}"
-        return Result(check, Status.FAIL, reason, duration=trio.current_time() - start)
+        return CheckResult(check, Status.FAIL, reason, duration=trio.current_time() - start)
     except Exception as err:
         log.debug("check %s raised", check.id, exc_info=True)
         reason = f"unexpected error: {type(err).__name__}: {err}"
-        return Result(check, Status.FAIL, reason, duration=trio.current_time() - start)
-    return Result(check, Status.PASS, note or "", duration=trio.current_time() - start)
+        return CheckResult(check, Status.FAIL, reason, duration=trio.current_time() - start)
+    return CheckResult(check, Status.PASS, note or "", duration=trio.current_time() - start)
 
 
 async def _unreachable(clients: dict[str, Any], timeout: float) -> str | None:
@@ -176,10 +175,10 @@ async def _unreachable(clients: dict[str, Any], timeout: float) -> str | None:
     return None
 
 
-def _lost(result: Result, where: str) -> Result:
+def _lost(result: CheckResult, where: str) -> CheckResult:
     details = ([result.reason] if result.reason else []) + [d for d in result.details if d != result.reason]
     reason = f"engine lost during {result.check.id}: {where}"
-    return Result(result.check, Status.FAIL, reason, details, result.duration)
+    return CheckResult(result.check, Status.FAIL, reason, details, result.duration)
 
 
 async def run_suite(
@@ -238,7 +237,7 @@ async def run_suite(
                 progress.finished(i, total, result)
             if report.engine_lost is not None:
                 for j, rest in enumerate(selected[i + 1 :], i + 1):
-                    skipped = Result(rest, Status.SKIP, f"not run: engine lost during {check.id}")
+                    skipped = CheckResult(rest, Status.SKIP, f"not run: engine lost during {check.id}")
                     report.results.append(skipped)
                     if progress is not None:
                         progress.finished(j, total, skipped)

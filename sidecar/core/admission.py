@@ -70,7 +70,7 @@ from sidecar.core.errors import invalid_argument, model_not_found, role_mismatch
 from sidecar.core.handoff import check_decode_session, check_prefill_session
 from sidecar.core.metadata import NormalizedMetadata, normalize_metadata
 from sidecar.openengine import pb
-from sidecar.openengine._betterproto2_internals import set_unknown_fields, unknown_fields
+from sidecar.openengine.schema._betterproto2_internals import set_unknown_fields, unknown_fields
 from sidecar.quoting import quote
 
 __all__ = ["MEDIA_OPTION_KEYS", "Admitted", "admit"]

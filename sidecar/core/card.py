@@ -28,7 +28,7 @@ from sidecar.core.load import LoadSnapshot, LoadStatus, LoadTracker, RankLoad
 from sidecar.core.negotiation import NegotiatedRevision
 from sidecar.json_types import JSONObject
 from sidecar.openengine import pb
-from sidecar.openengine.revision import CLIENT_REVISION, OLDEST_SERVER_REVISION, SCHEMA_RELEASE
+from sidecar.openengine.releases import CLIENT_REVISION, OLDEST_SERVER_REVISION, SCHEMA_RELEASE
 from sidecar.version import source_commit
 
 __all__ = [

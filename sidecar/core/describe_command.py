@@ -20,7 +20,7 @@ from sidecar.core.discovery import discover
 from sidecar.core.errors import DiscoveryError, NegotiationError
 from sidecar.core.schema_options import schema_options_for
 from sidecar.openengine.client import open_engine_client
-from sidecar.openengine.errors import EngineClientError, EngineConfigError, EngineUnavailable
+from sidecar.openengine.engine_errors import EngineClientError, EngineConfigError, EngineUnavailable
 
 __all__ = ["describe", "describe_engine", "format_card"]
 

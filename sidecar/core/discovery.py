@@ -24,7 +24,7 @@ from sidecar.core.compat import require_known
 from sidecar.core.errors import DiscoveryError
 from sidecar.core.negotiation import negotiate
 from sidecar.openengine import pb
-from sidecar.openengine.errors import EngineMessageTooLarge, EngineStatusError
+from sidecar.openengine.engine_errors import EngineMessageTooLarge, EngineStatusError
 
 __all__ = ["DiscoveryClient", "compare_cards", "discover", "fetch_loras"]
 

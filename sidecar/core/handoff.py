@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from sidecar.core.card import KvConnectorCard, WorkerCard
 from sidecar.core.errors import invalid_argument, unsupported
 from sidecar.openengine import pb
-from sidecar.openengine._betterproto2_internals import set_unknown_fields
-from sidecar.openengine.rawfields import length_delimited, parse_strict
+from sidecar.openengine.schema._betterproto2_internals import set_unknown_fields
+from sidecar.openengine.schema.protobuf_wire import length_delimited, parse_strict
 from sidecar.quoting import quote
 
 __all__ = [

@@ -22,7 +22,7 @@ from sidecar.core.card import WorkerCard, enum_name
 from sidecar.core.errors import Rejection
 from sidecar.openengine import pb
 from sidecar.openengine.client import EngineClient
-from sidecar.openengine.errors import EngineClientError
+from sidecar.openengine.engine_errors import EngineClientError
 
 __all__ = [
     "ENGINE_STATES",

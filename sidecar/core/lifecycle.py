@@ -44,7 +44,7 @@ from sidecar.core.handoff import splice_kv_session
 from sidecar.logs import log_context
 from sidecar.openengine import pb
 from sidecar.openengine.client import EngineClient, EngineStream
-from sidecar.openengine.errors import (
+from sidecar.openengine.engine_errors import (
     EngineClientError,
     EngineProtocolError,
     EngineStatusError,

@@ -22,7 +22,7 @@ from sidecar.core.int64 import Uint64, u64
 from sidecar.core.struct_wire import StructWireError, struct_to_dict
 from sidecar.json_types import JSONObject
 from sidecar.openengine import pb
-from sidecar.openengine.rawfields import WireError, without_field
+from sidecar.openengine.schema.protobuf_wire import WireError, without_field
 
 __all__ = [
     "ATTRIBUTES_FIELD",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import Gauge
 
-from sidecar.metrics import REGISTRY
+from sidecar.metrics_registry import REGISTRY
 from sidecar.openengine import pb
 
 RUNNING = Gauge(

@@ -1,4 +1,4 @@
-"""Prometheus metric families of the sidecar core (registered on ``sidecar.metrics.REGISTRY``)."""
+"""Prometheus metric families of the sidecar core (registered on ``sidecar.metrics_registry.REGISTRY``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import TypeVar, cast
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
-from sidecar.metrics import REGISTRY
+from sidecar.metrics_registry import REGISTRY
 
 #: Token counts a stream adds to ``TOKENS`` at once (and at its end): the counter's lock is
 #: taken once per this many tokens, not per token; /metrics lags by at most this per stream.

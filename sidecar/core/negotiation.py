@@ -35,6 +35,7 @@ from sidecar.core.errors import NegotiationError
 from sidecar.openengine import pb
 from sidecar.openengine.releases import (
     CLIENT_REVISIONS,
+    OLDEST_SERVER_REVISION,
     RELEASE_TAG_PATTERN,
     SOURCE_COMMIT_PATTERN,
     Numbering,
@@ -43,7 +44,6 @@ from sidecar.openengine.releases import (
     find_known,
 )
 from sidecar.openengine.releases import parse_release as _parse
-from sidecar.openengine.revision import OLDEST_SERVER_REVISION
 
 __all__ = [
     "COMMIT_PATTERN",

@@ -33,7 +33,7 @@ from sidecar.core.shutdown import stop_budget
 from sidecar.json_types import JSONObject
 from sidecar.openengine import pb
 from sidecar.openengine.client import EngineClient, Keepalive
-from sidecar.openengine.errors import EngineClientError, EngineStatusError
+from sidecar.openengine.engine_errors import EngineClientError, EngineStatusError
 from sidecar.openengine.message_limits import EngineLimits, run_sized
 from sidecar.quoting import quote
 

@@ -1,10 +1,10 @@
-"""Prometheus metrics of the Dynamo plane (on ``sidecar.metrics.REGISTRY``)."""
+"""Prometheus metrics of the Dynamo plane (on ``sidecar.metrics_registry.REGISTRY``)."""
 
 from __future__ import annotations
 
 from prometheus_client import Counter, Gauge
 
-from sidecar.metrics import REGISTRY
+from sidecar.metrics_registry import REGISTRY
 
 REQUESTS = Counter(
     "openengine_sidecar_dynamo_requests",

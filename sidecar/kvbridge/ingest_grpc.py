@@ -35,7 +35,7 @@ from sidecar.kvbridge.metrics import RankMetrics
 from sidecar.kvbridge.sequencer import Clear, Duplicate, Emit, GrpcAction, GrpcSequencer, Reason, Resubscribe
 from sidecar.kvbridge.sources import GrpcSource
 from sidecar.openengine import pb
-from sidecar.openengine.errors import (
+from sidecar.openengine.engine_errors import (
     EngineClientError,
     EngineMessageTooLarge,
     EngineStatusError,

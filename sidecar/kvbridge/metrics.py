@@ -1,4 +1,4 @@
-"""Prometheus metrics of the KV event bridge (on ``sidecar.metrics.REGISTRY``), per DP rank.
+"""Prometheus metrics of the KV event bridge (on ``sidecar.metrics_registry.REGISTRY``), per DP rank.
 
 ``rank`` is the DP rank as a string. Names start ``openengine_sidecar_kv_``.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge
 
-from sidecar.metrics import REGISTRY
+from sidecar.metrics_registry import REGISTRY
 
 _P = "openengine_sidecar_kv_"
 

@@ -39,7 +39,7 @@ from sidecar.kvbridge.sources import GrpcSource, KvSource, ZmqSource, plan_sourc
 from sidecar.kvbridge.zmqio import rank_endpoint
 from sidecar.nursery import open_background_nursery
 from sidecar.openengine import pb
-from sidecar.openengine.errors import EngineClientError
+from sidecar.openengine.engine_errors import EngineClientError
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Simulated OpenEngine engines: TensorRT-LLM, vLLM and SGLang flavours.
 
 asyncio programs built on the generated grpclib bases through
-:mod:`sidecar.openengine.server`. Start one with ``openengine-sidecar mock-engine``
+:mod:`sidecar.openengine.serving.grpc_server`. Start one with ``openengine-sidecar mock-engine``
 (:mod:`.command`), from trio code with :func:`.testing.run_mock_engine` (subprocess) or
 :func:`.testing.mock_engine_in_process`, or from asyncio with :func:`.app.serve_engine`.
 
@@ -11,7 +11,7 @@ an Abort racing a KV handoff in :mod:`.runner`, the ZMQ publishers), ``asyncio.t
 for bounded waits; a request waits in one place, :meth:`.engine.Request.wait_woken` (a pause
 that an Abort or a free slot ends early; a timer handle like ``asyncio.sleep``'s, measured
 cheaper per token than ``asyncio.timeout``). asyncio, not
-trio, because the engine is served by grpclib (:mod:`sidecar.openengine.server`), an asyncio
+trio, because the engine is served by grpclib (:mod:`sidecar.openengine.serving.grpc_server`), an asyncio
 library, as a real engine's server is: its handlers are asyncio tasks, and trio would put a
 trio-asyncio hop on every event the engine sends. Left as they are, each for its reason:
 the ZMQ publishers' group is owned by one service task that :class:`.kvevents.ZmqKvEvents`

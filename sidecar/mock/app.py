@@ -22,7 +22,7 @@ from sidecar.mock.kvevents_model import KvGroundTruth
 from sidecar.mock.kvevents_wire import KvFaults
 from sidecar.mock.services import SimulatedControl, SimulatedInference
 from sidecar.mock.transfer import KvTransferServer
-from sidecar.openengine.server import open_server
+from sidecar.openengine.serving.grpc_server import open_server
 
 log = logging.getLogger(__name__)
 

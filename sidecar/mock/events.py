@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from sidecar.mock import tokenizer as tok
 from sidecar.mock.generator import Finish, Step, TokenScore
 from sidecar.openengine import pb
-from sidecar.openengine.rawfields import length_delimited
-from sidecar.openengine.server import PreEncoded
+from sidecar.openengine.schema.protobuf_wire import length_delimited
+from sidecar.openengine.serving.grpc_server import PreEncoded
 
 _REASONS = {
     "stop": pb.FinishReason.STOP,

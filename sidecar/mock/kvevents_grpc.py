@@ -59,8 +59,8 @@ from sidecar.mock.kvcache import ClearedRecord, KvCache, KvEventRecord
 from sidecar.mock.kvevents import UnknownDpRank
 from sidecar.mock.kvevents_wire import BatchHistory, KvFaults, KvSequencer, batch_to_pb, large_batch_filler
 from sidecar.openengine import pb
-from sidecar.openengine.rawfields import length_delimited
-from sidecar.openengine.server import PreEncoded
+from sidecar.openengine.schema.protobuf_wire import length_delimited
+from sidecar.openengine.serving.grpc_server import PreEncoded
 
 __all__ = ["GrpcKvEvents", "KvSubscription"]
 

@@ -32,7 +32,7 @@ from sidecar.mock.faults import StreamFaults
 from sidecar.mock.kvcache import KvCacheFull, compute_block_hashes
 from sidecar.nursery import lone_exception
 from sidecar.openengine import pb
-from sidecar.openengine.server import PreEncoded, RpcStatusError
+from sidecar.openengine.serving.grpc_server import PreEncoded, RpcStatusError
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The simulated engine's gRPC services (``Inference`` and ``Control``) over :class:`MockEngine`.
 
-Refusals become non-OK statuses through :class:`~sidecar.openengine.server.RpcStatusError`;
+Refusals become non-OK statuses through :class:`~sidecar.openengine.serving.grpc_server.RpcStatusError`;
 this module never imports grpclib.
 """
 
@@ -21,7 +21,7 @@ from sidecar.mock.lora import LoraError
 from sidecar.mock.runner import run_request
 from sidecar.mock.validation import RequestRefused, RoleMismatch
 from sidecar.openengine import pb
-from sidecar.openengine.server import RpcStatusError, request_kv_session_bytes, request_metadata
+from sidecar.openengine.serving.grpc_server import RpcStatusError, request_kv_session_bytes, request_metadata
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")

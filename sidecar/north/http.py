@@ -29,7 +29,7 @@ from starlette.websockets import WebSocket
 from sidecar.core import int64
 from sidecar.core.card import WorkerCard
 from sidecar.core.load import LoadTracker
-from sidecar.metrics import REGISTRY
+from sidecar.metrics_registry import REGISTRY
 from sidecar.north.auth import bearer_matches
 from sidecar.north.schema import schema_json
 from sidecar.north.wire import LISTENER_HEADER

@@ -32,8 +32,8 @@ from betterproto2 import casing
 
 from sidecar.json_types import JSONObject, JSONValue
 from sidecar.openengine import pb
-from sidecar.openengine._betterproto2_internals import Field
-from sidecar.openengine._betterproto2_internals import fields as message_fields
+from sidecar.openengine.schema._betterproto2_internals import Field
+from sidecar.openengine.schema._betterproto2_internals import fields as message_fields
 from sidecar.quoting import quote
 
 __all__ = [

@@ -26,7 +26,7 @@ from betterproto2 import casing
 
 from sidecar.json_types import JSONObject, JSONValue
 from sidecar.openengine import pb
-from sidecar.openengine._betterproto2_internals import fields as message_fields
+from sidecar.openengine.schema._betterproto2_internals import fields as message_fields
 
 __all__ = ["DEFS", "Direction", "def_name", "definitions", "ref"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from urllib.parse import urlsplit
 
 from sidecar.addresses import SocketAddress
-from sidecar.openengine.errors import EngineConfigError
+from sidecar.openengine.engine_errors import EngineConfigError
 
 #: Where the engine's gRPC server listens: TCP ``host``/``port`` or a Unix socket ``path``.
 EngineAddress = SocketAddress

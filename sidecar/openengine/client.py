@@ -1,6 +1,6 @@
 """The engine client: every RPC of OpenEngine's ``Inference`` and ``Control`` services, trio-native.
 
-Resources: two pools of HTTP/2 connections (:mod:`sidecar.openengine.trio_pool`) whose tasks
+Resources: two pools of HTTP/2 connections (:mod:`sidecar.openengine.transport.pool`) whose tasks
 run in a nursery the client owns (:func:`open_engine_client`): one for Generate streams (at
 least ``generate_channels`` connections, at most ``max_streams_per_channel`` streams each and
 never more than the engine's ``SETTINGS_MAX_CONCURRENT_STREAMS``, grown and shrunk with the
@@ -17,7 +17,7 @@ Sizes: every message received is bounded by its kind's limit from its gRPC lengt
 before it is kept, and a large one is decoded in a worker thread
 (:mod:`sidecar.openengine.message_limits`).
 
-Errors: only the typed errors of :mod:`sidecar.openengine.errors` escape. Deadlines follow
+Errors: only the typed errors of :mod:`sidecar.openengine.engine_errors` escape. Deadlines follow
 trio's effective deadline (sent to the engine as ``grpc-timeout``); when it passes, the caller's
 cancel scope fires as usual.
 """
@@ -35,8 +35,7 @@ import trio
 from sidecar.nursery import open_background_nursery
 from sidecar.openengine import pb
 from sidecar.openengine.address import EngineAddress, parse_engine_address
-from sidecar.openengine.codec import HandedOver, decode_generate_response
-from sidecar.openengine.errors import (
+from sidecar.openengine.engine_errors import (
     STATUS_TO_CODE,
     EngineClientError,
     EngineConfigError,
@@ -45,12 +44,13 @@ from sidecar.openengine.errors import (
     EngineStatusError,
     EngineUnavailable,
 )
-from sidecar.openengine.fastencode import encode_generate_request
-from sidecar.openengine.grpc_http2 import CallError, Headers, RequestHead
 from sidecar.openengine.message_limits import EngineLimits, run_sized
+from sidecar.openengine.schema.decode import HandedOver, decode_generate_response
+from sidecar.openengine.schema.encode import encode_generate_request
 from sidecar.openengine.stream_rules import DrainRules, GenerateRules, KvEventRules
-from sidecar.openengine.trio_h2 import Call, Keepalive
-from sidecar.openengine.trio_pool import ConnectionOptions, ConnectionPool
+from sidecar.openengine.transport.connection import GrpcCall, Keepalive
+from sidecar.openengine.transport.grpc_framing import CallError, Headers, RequestHead
+from sidecar.openengine.transport.pool import ConnectionOptions, ConnectionPool
 
 __all__ = [
     "CallLike",
@@ -166,8 +166,8 @@ async def _typed(err: CallError, what: str) -> EngineClientError:
 
 class CallLike(Protocol):
     """What an :class:`EngineStream` reads: a call's messages as bytes, ``None`` at a good end;
-    a failure as :class:`~sidecar.openengine.grpc_http2.CallError` (mapped to a typed error) or
-    a typed error itself. :class:`~sidecar.openengine.trio_h2.Call` is the one in production."""
+    a failure as :class:`~sidecar.openengine.transport.grpc_framing.CallError` (mapped to a typed error) or
+    a typed error itself. :class:`~sidecar.openengine.transport.connection.Call` is the one in production."""
 
     @property
     def ready(self) -> bool: ...
@@ -203,10 +203,10 @@ class EngineStream(Generic[T]):
     """A server stream: ``async for msg in stream``.
 
     Validates each message with the stream's rules; a terminal ``EngineError`` raises
-    :class:`~sidecar.openengine.errors.EngineTerminalError`, a rule violation
-    :class:`~sidecar.openengine.errors.EngineProtocolError`, a lost connection
-    :class:`~sidecar.openengine.errors.EngineUnavailable`, a non-OK status
-    :class:`~sidecar.openengine.errors.EngineStatusError` (after the messages before it).
+    :class:`~sidecar.openengine.engine_errors.EngineTerminalError`, a rule violation
+    :class:`~sidecar.openengine.engine_errors.EngineProtocolError`, a lost connection
+    :class:`~sidecar.openengine.engine_errors.EngineUnavailable`, a non-OK status
+    :class:`~sidecar.openengine.engine_errors.EngineStatusError` (after the messages before it).
     ``terminal_seen`` tells whether the request reached its terminal event (the sidecar sends no
     Abort then). ``kv_session_bytes``: the engine's ``KvSessionRef`` exactly as it came over the
     wire, from the moment a Generate stream yields its ``PrefillReady`` (re-serialising the
@@ -342,7 +342,7 @@ class _OpenStream(Generic[T]):
         self._rules = rules
         self._request_id = request_id
         self._what = what
-        self._call: Call | None = None
+        self._call: GrpcCall | None = None
         self._release: Callable[[], None] | None = None
 
     async def __aenter__(self) -> EngineStream[T]:
@@ -450,7 +450,7 @@ class EngineClient:
     def probe_liveness(self) -> None:
         """One HTTP/2 PING now on every open connection (with a keepalive): a connection whose
         PING goes unanswered within the keepalive timeout is closed, failing its calls. Used
-        when the engine stops answering ``Health`` (:mod:`sidecar.openengine.trio_h2`)."""
+        when the engine stops answering ``Health`` (:mod:`sidecar.openengine.transport.connection`)."""
         for pool in (self._generate, self._control):
             if pool is not None:
                 for conn in pool.connections():
@@ -493,7 +493,7 @@ class EngineClient:
         if self._control is None:
             raise EngineUnavailable("engine client is closed or was not opened by open_engine_client")
         body = request if isinstance(request, bytes) else bytes(request)
-        call: Call | None = None
+        call: GrpcCall | None = None
         release: Callable[[], None] | None = None
         try:
             conn, release = await self._control.acquire()
@@ -646,7 +646,7 @@ class EngineClient:
 
         A message larger than ``max_message_bytes`` (default: the client's
         ``limits.max_kv_batch_bytes``) fails the stream with
-        :class:`~sidecar.openengine.errors.EngineMessageTooLarge` before it is read.
+        :class:`~sidecar.openengine.engine_errors.EngineMessageTooLarge` before it is read.
         """
         rules: Rules[pb.SubscribeKvEventsResponse] = KvEventRules() if checked else _NoRules()
         bound = self.limits.max_kv_batch_bytes if max_message_bytes is None else max_message_bytes
@@ -675,7 +675,7 @@ async def open_engine_client(
     """An :class:`EngineClient` for ``address`` (``host:port``, ``http://host:port``, ``unix:///path``).
 
     No connection is made until the first call. Raises
-    :class:`~sidecar.openengine.errors.EngineConfigError` for an address it cannot parse. The
+    :class:`~sidecar.openengine.engine_errors.EngineConfigError` for an address it cannot parse. The
     client's connections run in a background nursery owned by this context; leaving it closes
     every connection (in-flight calls fail with ``EngineUnavailable``). ``generate_channels`` is
     the Generate pool's minimum size; ``max_streams_per_channel`` caps the streams per connection

@@ -28,10 +28,14 @@ from typing import Literal
 __all__ = [
     "BSR_COMMIT_PATTERN",
     "BSR_REFERENCE_PATTERN",
+    "CLIENT_REVISION",
     "CLIENT_REVISIONS",
     "FEATURES",
     "KNOWN_RELEASES",
+    "OLDEST_SERVER_REVISION",
     "RELEASE_TAG_PATTERN",
+    "SCHEMA_RELEASE",
+    "SCHEMA_REPOSITORY",
     "SOURCE_COMMIT_PATTERN",
     "KnownRelease",
     "Numbering",
@@ -39,6 +43,7 @@ __all__ = [
     "ReleaseKind",
     "find_known",
     "parse_release",
+    "spec_url",
 ]
 
 ReleaseKind = Literal["commit", "bsr", "tag"]
@@ -184,3 +189,22 @@ KNOWN_RELEASES: tuple[KnownRelease, ...] = (
 def find_known(release: Release) -> KnownRelease | None:
     """The known release ``release`` names, if any."""
     return next((k for k in KNOWN_RELEASES if k.matches(release)), None)
+
+
+# -- the revision this build speaks ------------------------------------------------------------
+
+#: Revision of the OpenEngine v1 wire contract our bindings were generated at.
+CLIENT_REVISION = 3
+#: Oldest server revision whose wire shape we still understand.
+OLDEST_SERVER_REVISION = 1
+#: Immutable commit of ai-dynamo/openengine that schema/ reproduces.
+SCHEMA_RELEASE = "a66ff6f73a65e262a7c3edd5ea6fd0d8701d402f"
+#: Repository the release refers to.
+SCHEMA_REPOSITORY = "ai-dynamo/openengine"
+
+
+def spec_url(section: str = "") -> str:
+    """Where the schema's field-level rules are written: its ``docs/api.md`` at
+    :data:`SCHEMA_RELEASE`, optionally at one section's anchor."""
+    url = f"https://github.com/{SCHEMA_REPOSITORY}/blob/{SCHEMA_RELEASE}/docs/api.md"
+    return f"{url}#{section}" if section else url

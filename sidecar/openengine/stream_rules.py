@@ -23,7 +23,7 @@ from typing import Any, Final
 import betterproto2
 
 from sidecar.openengine import pb
-from sidecar.openengine.errors import (
+from sidecar.openengine.engine_errors import (
     EngineClientError,
     EngineProtocolError,
     EngineStatusError,

@@ -48,7 +48,7 @@ async def test_stamped_tokens_carry_the_engine_send_time(aio_loop: Any, fast: bo
 async def test_bad_stamp_value_is_rejected(aio_loop: Any) -> None:
     with trio.fail_after(20):
         async with mock_engine_in_process(kv_events="none") as eng, open_engine_client(eng.address) as client:
-            from sidecar.openengine.errors import EngineStatusError
+            from sidecar.openengine.engine_errors import EngineStatusError
 
             with pytest.raises(EngineStatusError, match="stamp"):
                 async with client.generate(request("s1", stamp="yes")) as stream:

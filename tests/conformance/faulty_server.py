@@ -16,7 +16,7 @@ from typing import Any
 import trio
 
 from sidecar.openengine import pb
-from sidecar.openengine.revision import SCHEMA_RELEASE
+from sidecar.openengine.releases import SCHEMA_RELEASE
 from tests.openengine.fake_grpc_engine import FakeGrpcEngine, RunningServer, Status, status
 
 MODEL = "fake-model"

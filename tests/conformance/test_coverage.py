@@ -29,7 +29,7 @@ from sidecar.kvbridge.decode_proto import batch_from_proto
 from sidecar.kvbridge.errors import KvDecodeError
 from sidecar.openengine import pb
 from sidecar.openengine.client import EngineClient, open_engine_client
-from sidecar.openengine.errors import EngineTerminalError
+from sidecar.openengine.engine_errors import EngineTerminalError
 from sidecar.openengine.stream_rules import CONFORMANCE_CHECKS, KvEventRules, StreamRuleError, Violation
 from tests.mock_engines import run_mock_engine
 

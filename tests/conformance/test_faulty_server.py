@@ -16,7 +16,7 @@ from sidecar.conformance.model import Status
 from sidecar.conformance.streams import kind
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
-from sidecar.openengine.errors import EngineStatusError
+from sidecar.openengine.engine_errors import EngineStatusError
 
 from .faulty_server import MODEL, error, faulty_engine, token, usage
 from .helpers import explain, ids, suite

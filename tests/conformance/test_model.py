@@ -10,8 +10,8 @@ import trio
 from sidecar.conformance.context import Context, SuiteOptions
 from sidecar.conformance.model import Check, Fail, Skip, Status, select_checks
 from sidecar.conformance.runner import GROUP_ORDER, all_checks, run_check
-from sidecar.openengine.errors import EngineUnavailable
-from sidecar.openengine.revision import spec_url
+from sidecar.openengine.engine_errors import EngineUnavailable
+from sidecar.openengine.releases import spec_url
 
 
 def test_checks_are_registered_in_group_order() -> None:

@@ -6,7 +6,7 @@ import io
 import json
 
 from sidecar.conformance.context import SuiteOptions
-from sidecar.conformance.model import Check, Result, Status
+from sidecar.conformance.model import Check, CheckResult, Status
 from sidecar.conformance.progress import LineProgress
 from sidecar.conformance.report import format_check_list, format_table
 from sidecar.conformance.runner import Report, all_checks
@@ -28,11 +28,11 @@ def _report() -> Report:
         "address": "a:1",
     }
     report.results = [
-        Result(a, Status.PASS, "commit abc", duration=0.01),
-        Result(
+        CheckResult(a, Status.PASS, "commit abc", duration=0.01),
+        CheckResult(
             b, Status.FAIL, "stream 'basic': Usage on a non-final event", [f"detail {i}" for i in range(9)]
         ),
-        Result(c, Status.SKIP, "needs both --prefill and --decode"),
+        CheckResult(c, Status.SKIP, "needs both --prefill and --decode"),
     ]
     return report
 

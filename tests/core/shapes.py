@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from sidecar.core.card import WorkerCard, build_card
 from sidecar.core.negotiation import negotiate
 from sidecar.openengine import pb
-from sidecar.openengine.revision import SCHEMA_RELEASE
+from sidecar.openengine.releases import SCHEMA_RELEASE
 
 R = pb.EngineRole
 M = pb.Modality

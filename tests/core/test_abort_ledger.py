@@ -7,7 +7,7 @@ import pytest
 import trio
 
 from sidecar.core.abort_ledger import AbortLedger, AbortState
-from sidecar.metrics import REGISTRY
+from sidecar.metrics_registry import REGISTRY
 
 
 def sample(name: str, **labels: str) -> float:

@@ -13,7 +13,7 @@ from sidecar.core.card import (
     with_loras,
 )
 from sidecar.openengine import pb
-from sidecar.openengine.revision import SCHEMA_RELEASE
+from sidecar.openengine.releases import SCHEMA_RELEASE
 
 from .shapes import R, card_of, sglang_card, sglang_info, trtllm_card, trtllm_info, vllm_card, vllm_info
 

@@ -6,7 +6,7 @@ from sidecar.core.card import card_to_json
 from sidecar.core.discovery import compare_cards, discover
 from sidecar.core.errors import DiscoveryError, NegotiationError
 from sidecar.openengine import pb
-from sidecar.openengine.errors import EngineUnavailable
+from sidecar.openengine.engine_errors import EngineUnavailable
 from tests.fake_engine import FakeEngine, status
 
 from .shapes import R, sglang_info, trtllm_info, vllm_card, vllm_info

@@ -12,7 +12,7 @@ from sidecar.core.handoff import (
     parse_kv_session,
 )
 from sidecar.openengine import pb
-from sidecar.openengine.rawfields import WireError
+from sidecar.openengine.schema.protobuf_wire import WireError
 
 from .shapes import SGLANG_BOOTSTRAP, R, card_of, sglang_card, sglang_info, trtllm_card, vllm_card
 

@@ -23,7 +23,7 @@ from sidecar.core.lifecycle import (
     LifecycleConfig,
     StreamSupervisor,
 )
-from sidecar.metrics import REGISTRY
+from sidecar.metrics_registry import REGISTRY
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
 from tests.openengine.fake_grpc_engine import Gate, RunningServer, Status, status, tokens
@@ -352,7 +352,7 @@ async def test_token_metrics_added_in_bulk_and_itl_sampled(
     """TOKENS is exact once the stream ends (added every TOKENS_FLUSH and at the end); TTFT is
     observed once; ITL on the first gap, then one gap in ITL_SAMPLE."""
     from sidecar.core import metrics
-    from sidecar.metrics import REGISTRY
+    from sidecar.metrics_registry import REGISTRY
 
     def value(name: str) -> float:
         return REGISTRY.get_sample_value(name) or 0.0
@@ -388,7 +388,7 @@ async def test_queued_abort_is_not_counted_as_a_retry(
 ) -> None:
     """An Abort that waited abort_timeout for a slot (a mass disconnect's queue) goes to the
     background retrier, which sends it once a slot frees: not counted in abort_retries."""
-    from sidecar.metrics import REGISTRY
+    from sidecar.metrics_registry import REGISTRY
 
     supervisor._abort_slots.total_tokens = 1
     supervisor.config.abort_timeout = 0.2

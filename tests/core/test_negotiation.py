@@ -5,7 +5,7 @@ import pytest
 from sidecar.core.errors import DiscoveryError, NegotiationError
 from sidecar.core.negotiation import engine_names_match, negotiate, parse_release, release_kind
 from sidecar.openengine import pb
-from sidecar.openengine.revision import CLIENT_REVISION, OLDEST_SERVER_REVISION, SCHEMA_RELEASE
+from sidecar.openengine.releases import CLIENT_REVISION, OLDEST_SERVER_REVISION, SCHEMA_RELEASE
 
 SHA = SCHEMA_RELEASE
 

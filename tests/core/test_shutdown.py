@@ -15,7 +15,7 @@ from sidecar.core.lifecycle import CANCELLED, COMPLETED, FAILED, LifecycleConfig
 from sidecar.core.shutdown import stop_budget
 from sidecar.core.sidecar import Sidecar, SidecarConfig
 from sidecar.openengine import pb
-from sidecar.openengine.errors import EngineUnavailable
+from sidecar.openengine.engine_errors import EngineUnavailable
 from tests.fake_engine import FakeEngine, status, tokens_every
 
 from .shapes import vllm_info

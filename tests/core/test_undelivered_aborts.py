@@ -13,7 +13,7 @@ import trio
 from sidecar.core.abort_ledger import REDELIVER_MAX_PAUSE
 from sidecar.core.errors import Rejection
 from sidecar.core.lifecycle import LifecycleConfig, StreamSupervisor
-from sidecar.metrics import REGISTRY
+from sidecar.metrics_registry import REGISTRY
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
 from tests.openengine.fake_grpc_engine import Gate, RunningServer, Status, status

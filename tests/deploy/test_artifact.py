@@ -18,8 +18,7 @@ from packaging.utils import canonicalize_name
 
 from sidecar import __version__, version
 from sidecar.core.card import SidecarCard
-from sidecar.openengine.releases import KNOWN_RELEASES
-from sidecar.openengine.revision import SCHEMA_RELEASE
+from sidecar.openengine.releases import KNOWN_RELEASES, SCHEMA_RELEASE
 from tests.deploy.helpers import ROOT
 
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from sidecar.north import pbjson, wire
 from sidecar.openengine import pb
-from sidecar.openengine._betterproto2_internals import fields
+from sidecar.openengine.schema._betterproto2_internals import fields
 
 HUGE_INTS = st.sampled_from(
     [2**31, 2**32, 2**53, 2**53 + 1, 2**63, 2**64, 2**64 + 1, 10**30, -(2**63) - 1, -1]

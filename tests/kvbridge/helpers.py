@@ -9,7 +9,7 @@ from typing import Any
 import trio
 
 from sidecar.kvbridge import KvBridgeConfig, KvBridgeInfo, KvSource, run_kv_bridge
-from sidecar.metrics import REGISTRY
+from sidecar.metrics_registry import REGISTRY
 
 CLEARED = {"type": "AllBlocksCleared"}
 

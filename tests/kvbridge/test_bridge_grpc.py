@@ -10,7 +10,7 @@ import trio
 
 from sidecar.kvbridge import GrpcSource
 from sidecar.openengine import pb
-from sidecar.openengine.errors import EngineStatusError, EngineUnavailable
+from sidecar.openengine.engine_errors import EngineStatusError, EngineUnavailable
 from tests.fake_engine import FakeEngine, apply
 from tests.kvbridge import gen
 from tests.kvbridge.consumer import Consumer

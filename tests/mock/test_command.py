@@ -14,7 +14,7 @@ import trio
 
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
-from sidecar.openengine.errors import EngineUnavailable
+from sidecar.openengine.engine_errors import EngineUnavailable
 from tests.mock_engines import MockEngineStartError, run_mock_engine
 
 from .helpers import collect, request, token_ids

@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from sidecar.openengine import pb
-from sidecar.openengine.errors import EngineStatusError, EngineTerminalError
+from sidecar.openengine.engine_errors import EngineStatusError, EngineTerminalError
 from tests.polling import eventually
 
 from .helpers import (

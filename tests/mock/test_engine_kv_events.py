@@ -81,7 +81,7 @@ async def test_grpc_source_with_snapshot(aio_loop: Any) -> None:
 
 
 async def test_zmq_flavour_has_no_grpc_stream_and_none_has_no_sources(aio_loop: Any) -> None:
-    from sidecar.openengine.errors import EngineStatusError
+    from sidecar.openengine.engine_errors import EngineStatusError
 
     async with engine(flavor="vllm", kv_events="zmq") as (_, client):
         with pytest.raises(EngineStatusError) as info, trio.fail_after(5):

@@ -9,13 +9,13 @@ import trio
 import trio_asyncio
 
 from sidecar.openengine import pb
-from sidecar.openengine.errors import (
+from sidecar.openengine.engine_errors import (
     EngineProtocolError,
     EngineStatusError,
     EngineTerminalError,
     EngineUnavailable,
 )
-from sidecar.openengine.revision import SCHEMA_RELEASE
+from sidecar.openengine.releases import SCHEMA_RELEASE
 from tests.mock_engines import EngineCrashed
 from tests.polling import eventually
 

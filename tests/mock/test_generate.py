@@ -9,7 +9,7 @@ import trio
 
 from sidecar.mock import tokenizer as tok
 from sidecar.openengine import pb
-from sidecar.openengine.errors import EngineStatusError
+from sidecar.openengine.engine_errors import EngineStatusError
 from tests.polling import eventually
 
 from .helpers import (

@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from sidecar.openengine import pb
-from sidecar.openengine.errors import EngineTerminalError
+from sidecar.openengine.engine_errors import EngineTerminalError
 
 from .helpers import (
     collect,
@@ -189,7 +189,7 @@ async def test_sglang_prefill_alone_fails(aio_loop: Any) -> None:
                 endpoint=pb.KvEndpoint(host="10.9.9.9", port=1, protocol="tcp"), room_id=1
             )
         )
-        from sidecar.openengine.errors import EngineStatusError
+        from sidecar.openengine.engine_errors import EngineStatusError
 
         with pytest.raises(EngineStatusError) as status:
             await collect(pre, with_session(request("q", **REQ), wrong))

@@ -14,7 +14,7 @@ import trio
 
 from sidecar.mock.schemas import BSR_MODULE, synthetic_bsr_commit
 from sidecar.openengine import pb
-from sidecar.openengine.errors import EngineStatusError
+from sidecar.openengine.engine_errors import EngineStatusError
 
 from .helpers import collect, engine, kind, request, token_ids
 

@@ -1,4 +1,4 @@
-"""sidecar.openengine.server: the serving kit the simulated engines are built on."""
+"""sidecar.openengine.serving.grpc_server: the serving kit the simulated engines are built on."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import trio_asyncio
 from sidecar.addresses import ListenAddress, parse_listen
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
-from sidecar.openengine.errors import EngineStatusError
-from sidecar.openengine.server import (
+from sidecar.openengine.engine_errors import EngineStatusError
+from sidecar.openengine.serving.grpc_server import (
     PreEncoded,
     RpcStatusError,
     open_server,

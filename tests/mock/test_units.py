@@ -14,7 +14,7 @@ from sidecar.mock.kvevents_wire import KvFaults
 from sidecar.mock.lora import LoraError, LoraRegistry
 from sidecar.mock.scheduler import Overloaded, RankScheduler, pick_rank
 from sidecar.openengine import pb
-from sidecar.openengine.revision import SCHEMA_RELEASE
+from sidecar.openengine.releases import SCHEMA_RELEASE
 
 # --- faults -------------------------------------------------------------------------
 

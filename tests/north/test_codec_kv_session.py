@@ -12,7 +12,7 @@ from sidecar.core.handoff import splice_kv_session
 from sidecar.north import codec, wire
 from sidecar.north.codec import Encoding, GenerateCommand, ProtocolError, decode_frame
 from sidecar.openengine import pb
-from sidecar.openengine._betterproto2_internals import unknown_fields
+from sidecar.openengine.schema._betterproto2_internals import unknown_fields
 
 
 def varint(n: int) -> bytes:

@@ -24,7 +24,7 @@ from grpclib.encoding.proto import ProtoCodec
 from grpclib.exceptions import GRPCError
 
 from sidecar.openengine import pb
-from sidecar.openengine._grpclib_internals import server_port
+from sidecar.openengine.serving._grpclib_internals import server_port
 
 
 class _Codec(ProtoCodec):

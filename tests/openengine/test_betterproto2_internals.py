@@ -1,4 +1,4 @@
-"""The guard of sidecar/openengine/_betterproto2_internals.py: the betterproto2 internals the
+"""The guard of sidecar/openengine/schema/_betterproto2_internals.py: the betterproto2 internals the
 sidecar uses, and the behaviour relied on. A release that renames or changes them fails here
 (and then only that module needs changing)."""
 
@@ -9,16 +9,16 @@ from pathlib import Path
 
 import betterproto2
 
-from sidecar.openengine import _betterproto2_internals as internals
 from sidecar.openengine import pb
-from sidecar.openengine._betterproto2_internals import (
+from sidecar.openengine.schema import _betterproto2_internals as internals
+from sidecar.openengine.schema._betterproto2_internals import (
     fields,
     fields_by_number,
     missing_internals,
     set_unknown_fields,
     unknown_fields,
 )
-from sidecar.openengine.rawfields import length_delimited
+from sidecar.openengine.schema.protobuf_wire import length_delimited
 
 
 def test_no_internal_is_missing() -> None:

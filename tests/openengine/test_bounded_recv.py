@@ -1,5 +1,5 @@
 """Every message from the engine over its bound is refused from its length prefix, before it
-is read (sidecar/openengine/grpc_http2.py: MessageReader), against a real grpclib server: unary answers,
+is read (sidecar/openengine/transport/grpc_framing.py: MessageReader), against a real grpclib server: unary answers,
 Generate and Drain events, KV batches. What came before is delivered, the connection serves the
 next call, and a message at the bound passes."""
 
@@ -15,9 +15,9 @@ import trio
 
 from sidecar.openengine import pb
 from sidecar.openengine.client import EngineClient, open_engine_client
-from sidecar.openengine.errors import EngineClientError, EngineMessageTooLarge
+from sidecar.openengine.engine_errors import EngineClientError, EngineMessageTooLarge
 from sidecar.openengine.message_limits import EngineLimits
-from sidecar.openengine.rawfields import length_delimited
+from sidecar.openengine.schema.protobuf_wire import length_delimited
 from tests.openengine.fake_grpc_engine import RunningServer, tokens
 
 

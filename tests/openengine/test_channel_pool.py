@@ -16,7 +16,7 @@ from h2.connection import H2Connection
 
 from sidecar.openengine import pb
 from sidecar.openengine.client import EngineClient, open_engine_client
-from sidecar.openengine.errors import EngineUnavailable
+from sidecar.openengine.engine_errors import EngineUnavailable
 from tests.mock_engines import mock_engine_in_process
 from tests.openengine.fake_grpc_engine import FakeGrpcEngine, Gate, RunningServer, generate_pool, tokens
 from tests.polling import eventually

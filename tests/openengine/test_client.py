@@ -11,7 +11,7 @@ import trio_asyncio
 
 from sidecar.openengine import pb
 from sidecar.openengine.client import EngineClient, open_engine_client
-from sidecar.openengine.errors import (
+from sidecar.openengine.engine_errors import (
     EngineConfigError,
     EngineProtocolError,
     EngineStatusError,

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar.openengine import pb
-from sidecar.openengine.fastdecode import decode_common_event
+from sidecar.openengine.schema.decode import decode_common_event
 
 texts = st.text(max_size=12)
 u32 = st.integers(min_value=0, max_value=2**32 - 1)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar.openengine import pb
-from sidecar.openengine.fastencode import encode_generate_request
+from sidecar.openengine.schema.encode import encode_generate_request
 
 texts = st.text(max_size=12)
 u32 = st.integers(min_value=0, max_value=2**32 - 1)

@@ -1,4 +1,4 @@
-"""The guard of sidecar/openengine/_grpclib_internals.py: every grpclib / h2 internal the serving
+"""The guard of sidecar/openengine/serving/_grpclib_internals.py: every grpclib / h2 internal the serving
 side uses, exercised on real servers. A grpclib or h2 release that renames or reshapes one of
 them fails here (and then only that module needs changing)."""
 
@@ -9,9 +9,9 @@ import pytest
 import trio
 import trio_asyncio
 
-from sidecar.openengine import _grpclib_internals as internals
 from sidecar.openengine.client import open_engine_client
-from sidecar.openengine.server import open_server
+from sidecar.openengine.serving import _grpclib_internals as internals
+from sidecar.openengine.serving.grpc_server import open_server
 from tests.openengine.fake_grpc_engine import FakeGrpcEngine, RunningServer
 
 

@@ -24,8 +24,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.openengine import h2_client
-from sidecar.openengine.h2_client import (
+from sidecar.openengine.transport import http2 as h2_client
+from sidecar.openengine.transport.http2 import (
     COMPRESSION_ERROR,
     CONTINUATION,
     DATA,

@@ -13,8 +13,8 @@ import trio_asyncio
 
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
-from sidecar.openengine.errors import EngineUnavailable
-from sidecar.openengine.trio_h2 import PINGS_PER_SILENCE, Keepalive
+from sidecar.openengine.engine_errors import EngineUnavailable
+from sidecar.openengine.transport.connection import PINGS_PER_SILENCE, Keepalive
 from tests.openengine.fake_grpc_engine import Gate, RunningServer, tokens
 from tests.polling import eventually
 

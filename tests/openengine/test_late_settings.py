@@ -25,8 +25,8 @@ import trio.testing
 
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
-from sidecar.openengine.errors import EngineClientError
-from sidecar.openengine.trio_pool import SETTINGS_WAIT
+from sidecar.openengine.engine_errors import EngineClientError
+from sidecar.openengine.transport.pool import SETTINGS_WAIT
 
 DELAY = SETTINGS_WAIT + 1.0
 CALLS = 128

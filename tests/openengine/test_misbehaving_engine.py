@@ -30,8 +30,8 @@ import trio
 
 from sidecar.openengine import pb
 from sidecar.openengine.client import EngineClient, open_engine_client
-from sidecar.openengine.errors import EngineProtocolError, EngineStatusError
-from sidecar.openengine.h2_client import (
+from sidecar.openengine.engine_errors import EngineProtocolError, EngineStatusError
+from sidecar.openengine.transport.http2 import (
     DATA,
     END_HEADERS,
     HEADERS,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from sidecar.openengine import pb
-from sidecar.openengine.codec import HandedOver, decode_generate_response
-from sidecar.openengine.rawfields import WireError, last_field_bytes, nested_field_bytes
+from sidecar.openengine.schema.decode import HandedOver, decode_generate_response
+from sidecar.openengine.schema.protobuf_wire import WireError, last_field_bytes, nested_field_bytes
 
 # dp_rank=1 before session_id (out of field order), plus unknown field 99: re-serializing differs
 RAW_SESSION = b"\x20\x01" + b"\x0a\x01a" + b"\x9a\x06\x02hi"

@@ -37,7 +37,7 @@ import trio.testing
 
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
-from sidecar.openengine.errors import EngineUnavailable
+from sidecar.openengine.engine_errors import EngineUnavailable
 
 CALLS = 8
 #: ``flow-control``: a request body well over the stream window (and, together, over the

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from sidecar.openengine import pb
-from sidecar.openengine.errors import (
+from sidecar.openengine.engine_errors import (
     EngineMessageTooLarge,
     EngineProtocolError,
     EngineStatusError,

@@ -21,7 +21,7 @@ import trio
 
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
-from sidecar.openengine.errors import EngineStatusError, EngineUnavailable
+from sidecar.openengine.engine_errors import EngineStatusError, EngineUnavailable
 
 Answer = Callable[[h2.connection.H2Connection, int], None]
 GRPC = [(b":status", b"200"), (b"content-type", b"application/grpc+proto")]
@@ -110,22 +110,22 @@ async def test_a_failure_inside_a_connection_closes_only_that_connection(
     """An unexpected exception while a connection handles a frame fails its calls
     (EngineUnavailable) and closes it; it does not reach the client's nursery (which would end
     every stream and the client itself)."""
-    from sidecar.openengine import trio_h2
+    from sidecar.openengine.transport import connection
     from tests.openengine.fake_grpc_engine import tokens
 
     server.engine.streams["Generate"] = lambda r, md: tokens(r.request_id, 1)
-    handle = trio_h2.TrioH2Connection._on_trailers
+    handle = connection.EngineConnection._on_trailers
 
     def broken(self: Any, event: Any) -> None:
         raise RuntimeError("a bug")
 
     with trio.fail_after(10):
         async with open_engine_client(server.address, generate_channels=1) as client:
-            monkeypatch.setattr(trio_h2.TrioH2Connection, "_on_trailers", broken)
+            monkeypatch.setattr(connection.EngineConnection, "_on_trailers", broken)
             with pytest.raises(EngineUnavailable):
                 async with client.generate(pb.GenerateRequest(request_id="r1", prompt="hi")) as stream:
                     async for _ in stream:
                         pass
-            monkeypatch.setattr(trio_h2.TrioH2Connection, "_on_trailers", handle)
+            monkeypatch.setattr(connection.EngineConnection, "_on_trailers", handle)
             async with client.generate(pb.GenerateRequest(request_id="r2", prompt="hi")) as stream:
                 assert len([e async for e in stream]) == 2

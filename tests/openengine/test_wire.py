@@ -18,8 +18,8 @@ import betterproto2
 import pytest
 
 from sidecar.openengine import pb
-from sidecar.openengine._betterproto2_internals import Field, fields
-from sidecar.openengine.errors import wire_name
+from sidecar.openengine.engine_errors import wire_name
+from sidecar.openengine.schema._betterproto2_internals import Field, fields
 
 ROOT = Path(__file__).resolve().parents[2]
 U64_MAX = 2**64 - 1

@@ -16,7 +16,7 @@ import trio
 
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
-from sidecar.openengine.errors import EngineStatusError
+from sidecar.openengine.engine_errors import EngineStatusError
 from tests.polling import eventually
 from tests.vllm.harness import MAX_MODEL_LEN, MODEL, VllmProc, engine_load, token_ids, wait_request_gone
 

@@ -21,7 +21,7 @@ from sidecar.engines.vllm.discovery import discover
 from sidecar.engines.vllm.engine import SchedulerStatsSink, VllmEngine
 from sidecar.engines.vllm.services import ControlService, InferenceService
 from sidecar.mock.app import ServingInfo
-from sidecar.openengine.server import open_server
+from sidecar.openengine.serving.grpc_server import open_server
 
 log = logging.getLogger(__name__)
 

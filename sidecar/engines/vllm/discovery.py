@@ -15,7 +15,7 @@ from typing import Any
 from sidecar.engines.vllm.config import KvEndpoints, VllmSettings
 from sidecar.engines.vllm.requests import ModelLimits
 from sidecar.openengine import pb
-from sidecar.openengine.revision import SCHEMA_RELEASE
+from sidecar.openengine.releases import SCHEMA_RELEASE
 
 SCHEMA_REVISION = 3
 MINIMUM_CLIENT_REVISION = 1

@@ -1,7 +1,7 @@
 """The adapter's state beside vLLM's ``AsyncLLM``: the request registry, Abort, Health, GetLoad, Drain.
 
 One :class:`VllmEngine` per process (asyncio, one event loop). Request lifecycle: ``admit``
-(synchronous: every refusal is an :class:`~sidecar.openengine.server.RpcStatusError`, a non-OK
+(synchronous: every refusal is an :class:`~sidecar.openengine.serving.grpc_server.RpcStatusError`, a non-OK
 status before acceptance) registers the request; ``stream.run_request`` drives it through
 ``AsyncLLM.generate``; ``finish`` ends it with one outcome and remembers its id (bounded) so a
 later Abort answers ``ALREADY_FINISHED``.
@@ -26,7 +26,7 @@ import betterproto2
 from sidecar.engines.vllm.discovery import Discovery
 from sidecar.engines.vllm.requests import Plan, plan_request
 from sidecar.openengine import pb
-from sidecar.openengine.server import RpcStatusError
+from sidecar.openengine.serving.grpc_server import RpcStatusError
 
 log = logging.getLogger(__name__)
 

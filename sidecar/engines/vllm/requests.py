@@ -1,6 +1,6 @@
 """A ``GenerateRequest`` checked and mapped to vLLM's prompt and ``SamplingParams``, before acceptance.
 
-:func:`plan_request` raises :class:`~sidecar.openengine.server.RpcStatusError` for anything the
+:func:`plan_request` raises :class:`~sidecar.openengine.serving.grpc_server.RpcStatusError` for anything the
 engine will not run, so a refusal is a non-OK status with no event (schema "Standard errors"):
 
 - ``INVALID_ARGUMENT``: malformed metadata or values (no input, empty stop condition,
@@ -31,7 +31,7 @@ import betterproto2
 from sidecar.core.errors import Rejection
 from sidecar.core.metadata import normalize_metadata
 from sidecar.openengine import pb
-from sidecar.openengine.server import RpcStatusError
+from sidecar.openengine.serving.grpc_server import RpcStatusError
 
 SEED_MODULUS = 2**63  # vLLM seeds a torch generator: an int64
 

@@ -1,7 +1,7 @@
 """The OpenEngine ``Inference`` and ``Control`` services of the vLLM adapter.
 
-Served by the project's grpclib kit (``sidecar.openengine.server``); refusals are
-:class:`~sidecar.openengine.server.RpcStatusError` (a non-OK status, no event). LoRA calls
+Served by the project's grpclib kit (``sidecar.openengine.serving.grpc_server``); refusals are
+:class:`~sidecar.openengine.serving.grpc_server.RpcStatusError` (a non-OK status, no event). LoRA calls
 answer ``FAILED_PRECONDITION`` (LoRA is not enabled on this adapter); ``SubscribeKvEvents``
 answers ``UNIMPLEMENTED`` (the KV events are vLLM's own ZMQ publisher, ``GetKvEventSources``).
 """
@@ -14,7 +14,7 @@ from typing import Any
 from sidecar.engines.vllm.engine import VllmEngine
 from sidecar.engines.vllm.stream import run_request
 from sidecar.openengine import pb
-from sidecar.openengine.server import RpcStatusError, request_metadata
+from sidecar.openengine.serving.grpc_server import RpcStatusError, request_metadata
 
 _NO_LORA = "LoRA is not enabled on this engine"
 #: GetLoad metadata asking for ``attributes.aborts_by_request`` (tests: exactly one Abort per request).

@@ -24,7 +24,7 @@ from typing import Any
 from sidecar.engines.vllm.engine import ABORTED, CANCELLED, COMPLETED, FAILED, Active, VllmEngine
 from sidecar.engines.vllm.events import EngineFailure, EventBuilder
 from sidecar.openengine import pb
-from sidecar.openengine.server import RpcStatusError
+from sidecar.openengine.serving.grpc_server import RpcStatusError
 
 log = logging.getLogger(__name__)
 

@@ -50,8 +50,8 @@ from grpclib.exceptions import GRPCError
 
 from sidecar.addresses import ListenAddress, parse_listen
 from sidecar.openengine import pb
-from sidecar.openengine._grpclib_internals import server_port
-from sidecar.openengine.rawfields import WireError, nested_field_bytes
+from sidecar.openengine.schema.protobuf_wire import WireError, nested_field_bytes
+from sidecar.openengine.serving._grpclib_internals import server_port
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 http-grpc-status-mapping documents): a call's request headers, the length-prefixed message
 framing with its size bound, and the reading of response headers and trailers into a status.
 
-I/O-free; :mod:`sidecar.openengine.trio_h2` uses it for every call.
+I/O-free; :mod:`sidecar.openengine.transport.connection` uses it for every call.
 """
 
 from __future__ import annotations

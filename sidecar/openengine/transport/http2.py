@@ -1,5 +1,5 @@
 """The client side of one HTTP/2 connection (RFC 9113), I/O-free: what gRPC server-streaming
-calls need and nothing more. :mod:`sidecar.openengine.trio_h2` moves its bytes.
+calls need and nothing more. :mod:`sidecar.openengine.transport.connection` moves its bytes.
 
 Why not the ``h2`` library (docs/PERFORMANCE.md, "The Generate framing"): h2 is a complete,
 general state machine — header validation and normalisation, a frame object and an event
@@ -271,7 +271,7 @@ _ENCODED_KEPT = 4096  # distinct header fields remembered per connection (reques
 # -- the connection ------------------------------------------------------------------------------
 
 
-class _Stream:
+class _StreamState:
     __slots__ = ("head", "local_closed", "recv_window", "send_window", "unacked")
 
     def __init__(self, send_window: int, recv_window: int) -> None:
@@ -292,7 +292,7 @@ class ClientConnection:
             raise ValueError(f"stream window {stream_window} out of range")
         self.stream_window = stream_window
         self.max_header_list = max_header_list
-        self.streams: dict[int, _Stream] = {}
+        self.streams: dict[int, _StreamState] = {}
         self.highest_outbound_stream_id = 0
         self.closed = False  # GOAWAY sent or a violation seen: nothing more is parsed
         self.goaway_received = False
@@ -391,7 +391,7 @@ class ClientConnection:
         if self._table_update:
             block, self._table_update = self._table_update + block, b""
         self.highest_outbound_stream_id = stream_id
-        stream = self.streams[stream_id] = _Stream(self._peer_initial_window, self._recv_initial)
+        stream = self.streams[stream_id] = _StreamState(self._peer_initial_window, self._recv_initial)
         flags = END_STREAM if end_stream else 0
         stream.local_closed = end_stream
         size = self.max_outbound_frame_size
@@ -468,7 +468,7 @@ class ClientConnection:
         self._frame(RST_STREAM, 0, sid, _U32.pack(code))
         events.append(StreamBroken(sid, code, reason))
 
-    def _remote_end(self, sid: int, stream: _Stream) -> None:
+    def _remote_end(self, sid: int, stream: _StreamState) -> None:
         """The peer ended ``sid``; a request still being sent is cut short with RST_STREAM
         (NO_ERROR) so the stream closes on both sides (RFC 9113 8.1)."""
         del self.streams[sid]
@@ -539,7 +539,7 @@ class ClientConnection:
                 break
         return data[pos:] if pos < end else b""
 
-    def _stream_of(self, sid: int, what: str) -> _Stream | None:
+    def _stream_of(self, sid: int, what: str) -> _StreamState | None:
         """The open stream ``sid``; None for a closed one (its frames may still be on the way);
         a violation for stream 0, a stream the peer could not know or one of the peer's."""
         stream = self.streams.get(sid)

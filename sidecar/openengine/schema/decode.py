@@ -1,5 +1,8 @@
-"""A hand-written decoder for the messages that dominate the wire: plain token events and the
-stream's finish.
+"""How a Generate stream's messages are decoded: the messages that dominate the wire — plain
+token events and the stream's finish — by hand, the rest by betterproto2, and a ``PrefillReady``
+with the engine's exact ``KvSessionRef`` bytes beside it (:func:`decode_generate_response`).
+
+The hand-written part:
 
 ``GenerateResponse{request_id, token{output_index, tokens[{token_id, token}], text}}`` is
 nearly every message of a Generate stream; ``GenerateResponse{request_id, finished{...},
@@ -14,6 +17,7 @@ identical to ``pb.GenerateResponse.parse(data)`` (tested on generated inputs).
 from __future__ import annotations
 
 from sidecar.openengine import pb
+from sidecar.openengine.schema.protobuf_wire import nested_field_bytes
 
 _TokenInfo = pb.TokenInfo
 _TokenOutput = pb.TokenOutput
@@ -225,3 +229,26 @@ def decode_common_event(data: bytes) -> pb.GenerateResponse | None:
         return None
     except (_Unsupported, IndexError, UnicodeDecodeError):
         return None
+
+
+class HandedOver:
+    """A decoded ``PrefillReady`` event with the engine's ``KvSessionRef`` bytes as received
+    (the stream unwraps it: ``EngineStream.kv_session_bytes``)."""
+
+    __slots__ = ("message", "raw")
+
+    def __init__(self, message: pb.GenerateResponse, raw: bytes | None) -> None:
+        self.message = message
+        self.raw = raw
+
+
+def decode_generate_response(data: bytes) -> pb.GenerateResponse | HandedOver:
+    """One ``GenerateResponse``; a ``PrefillReady`` comes as :class:`HandedOver`."""
+    fast = decode_common_event(data)
+    if fast is not None:
+        return fast  # a token event or a finish, decoded by hand (identical result)
+    message = pb.GenerateResponse.parse(data)
+    if message.prefill_ready is not None:
+        # Keep the engine's exact KvSessionRef bytes for a byte-for-byte handoff relay.
+        return HandedOver(message, nested_field_bytes(data, 4, 1))
+    return message

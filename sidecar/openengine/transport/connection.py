@@ -2,13 +2,13 @@
 server-streaming: every call the sidecar makes).
 
 A connection is a plain trio object: one reader task and one writer task; per call only a small
-:class:`Call` that the reader fills and the caller drains (no task, no event-loop hop). HTTP/2
+:class:`GrpcCall` that the reader fills and the caller drains (no task, no event-loop hop). HTTP/2
 framing, flow-control accounting and the stream states are
-:mod:`sidecar.openengine.h2_client`'s (HPACK decoding the ``hpack`` library's); the gRPC layer
-above the frames is :mod:`sidecar.openengine.grpc_http2`'s; this module moves bytes and maps
+:mod:`sidecar.openengine.transport.http2`'s (HPACK decoding the ``hpack`` library's); the gRPC layer
+above the frames is :mod:`sidecar.openengine.transport.grpc_framing`'s; this module moves bytes and maps
 events to calls.
 
-:class:`TrioH2Connection` (``await nursery.start(conn.run)``):
+:class:`EngineConnection` (``await nursery.start(conn.run)``):
 
 - writes: the protocol object buffers frames; the writer task sends them after the current
   scheduler pass, so frames queued together (a new call's HEADERS + DATA, many calls' frames,
@@ -37,14 +37,14 @@ calls fail as ``lost``; the pool opens a new one for the next call). At most
 :data:`PINGS_PER_SILENCE` acknowledged PINGs are sent per stretch without DATA/HEADERS: gRPC's
 C-core and Go servers by default answer a third PING without data in between with GOAWAY
 ``too_many_pings``, which would kill a long prefill; after two acknowledged PINGs the
-connection counts as alive until the engine sends data again. :meth:`TrioH2Connection.ping`
+connection counts as alive until the engine sends data again. :meth:`EngineConnection.ping`
 sends one more whatever the count (the engine watch does when ``Health`` times out). A
 connection given up for dead is *reset* (:func:`discard_unsent`): a plain close would leave the
 kernel retransmitting what we had queued — a Generate's HEADERS, an RST_STREAM — for minutes,
 so a request could reach the engine long after its Abort was answered NOT_FOUND.
 
 Errors: a call fails with :class:`CallError` (``status`` for a gRPC status, ``lost`` for a
-reset stream or a lost connection). Cancellation: :meth:`Call.cancel` (synchronous, idempotent)
+reset stream or a lost connection). Cancellation: :meth:`GrpcCall.cancel` (synchronous, idempotent)
 queues RST_STREAM(CANCEL); the writer task (not the caller's) sends it, whatever the caller's
 scope.
 """
@@ -63,8 +63,8 @@ from dataclasses import dataclass
 
 import trio
 
-from sidecar.openengine import h2_client
-from sidecar.openengine.grpc_http2 import (
+from sidecar.openengine.transport import http2 as h2_client
+from sidecar.openengine.transport.grpc_framing import (
     INTERNAL,
     INVALID_ARGUMENT,
     MAX_HEADER_LIST,
@@ -116,7 +116,7 @@ def discard_unsent(sock: socket.socket | None) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
-class Call:
+class GrpcCall:
     """One gRPC call on a connection: :meth:`receive` its messages, then its end."""
 
     __slots__ = (
@@ -132,7 +132,7 @@ class Call:
         "status",
     )
 
-    def __init__(self, conn: TrioH2Connection, stream_id: int, body: bytes, max_message: int) -> None:
+    def __init__(self, conn: EngineConnection, stream_id: int, body: bytes, max_message: int) -> None:
         self._conn = conn
         self.id = stream_id
         self._body = memoryview(body)  # request bytes not yet sent (flow control)
@@ -201,7 +201,7 @@ class Call:
 UNLIMITED_STREAMS = 2**31
 
 
-class TrioH2Connection:
+class EngineConnection:
     """One HTTP/2 connection (module doc). Create, then ``await nursery.start(conn.run)``."""
 
     def __init__(
@@ -217,7 +217,7 @@ class TrioH2Connection:
         self.name = name
         self.stream_window = stream_window
         self.keepalive = keepalive
-        self.calls: dict[int, Call] = {}
+        self.calls: dict[int, GrpcCall] = {}
         self._h2 = h2_client.ClientConnection(stream_window=stream_window, max_header_list=MAX_HEADER_LIST)
         self._conn_window = conn_window
         self._writer: trio.lowlevel.Task | None = None  # the writer task while it waits
@@ -225,7 +225,7 @@ class TrioH2Connection:
         self._want_write = False
         self._closing = False  # the reader is done: the writer returns once nothing is queued
         self._written = trio.Event()  # the writer returned
-        self._sending: collections.deque[Call] = collections.deque()  # calls with body left
+        self._sending: collections.deque[GrpcCall] = collections.deque()  # calls with body left
         self.settings_seen = trio.Event()
         self.peer_max_streams: int | None = None
         self.goaway = False
@@ -353,7 +353,7 @@ class TrioH2Connection:
 
     # -- calls ---------------------------------------------------------------------------------
 
-    def start_call(self, headers: Headers, message: bytes, *, max_message: int = MAX_MESSAGE) -> Call:
+    def start_call(self, headers: Headers, message: bytes, *, max_message: int = MAX_MESSAGE) -> GrpcCall:
         """Open a stream with ``headers`` and send ``message`` (one gRPC message, then
         END_STREAM) as far as flow control allows now (the rest follows WINDOW_UPDATEs).
         Each message received is bounded by ``max_message``."""
@@ -369,7 +369,7 @@ class TrioH2Connection:
             raise CallError(
                 f"engine connection refused a new stream ({type(err).__name__}: {err})", lost=True
             ) from None
-        call = Call(self, sid, len(message).to_bytes(5, "big") + message, max_message)
+        call = GrpcCall(self, sid, len(message).to_bytes(5, "big") + message, max_message)
         self.calls[sid] = call
         self._started += 1
         self._send_body(call)
@@ -378,7 +378,7 @@ class TrioH2Connection:
         self._flush_soon()
         return call
 
-    def _send_body(self, call: Call) -> None:
+    def _send_body(self, call: GrpcCall) -> None:
         conn = self._h2
         body = call._body
         while body:
@@ -401,7 +401,7 @@ class TrioH2Connection:
             if call._body:
                 self._sending.append(call)
 
-    def _ack(self, call: Call, n: int, *, flush: bool = True) -> None:
+    def _ack(self, call: GrpcCall, n: int, *, flush: bool = True) -> None:
         """``n`` received bytes of ``call`` are consumed: give them back to the windows (a
         WINDOW_UPDATE is queued once half a window is due; the writer is woken only then).
         ``flush=False``: the reader, which flushes after each read."""
@@ -412,7 +412,7 @@ class TrioH2Connection:
                 self._out.append(out)
                 self._flush_soon()
 
-    def _reset(self, call: Call, code: int) -> None:
+    def _reset(self, call: GrpcCall, code: int) -> None:
         """Reset ``call``'s stream (nothing more is received on it; the messages already
         queued stay for the caller, then its failure)."""
         if call.closed:
@@ -423,7 +423,7 @@ class TrioH2Connection:
             self._flush_soon()
         self._close_if_done()
 
-    def _end(self, call: Call) -> None:
+    def _end(self, call: GrpcCall) -> None:
         call.closed = True
         self.calls.pop(call.id, None)
         if call._unacked:  # bytes the caller will not take: back to the connection window
@@ -627,9 +627,9 @@ class TrioH2Connection:
 __all__ = [
     "MAX_MESSAGE",
     "PINGS_PER_SILENCE",
-    "Call",
     "CallError",
+    "EngineConnection",
+    "GrpcCall",
     "Keepalive",
-    "TrioH2Connection",
     "discard_unsent",
 ]

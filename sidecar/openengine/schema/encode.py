@@ -14,7 +14,7 @@ from __future__ import annotations
 import struct
 
 from sidecar.openengine import pb
-from sidecar.openengine._betterproto2_internals import unknown_fields
+from sidecar.openengine.schema._betterproto2_internals import unknown_fields
 
 _DOUBLE = struct.Struct("<d").pack
 _MASK64 = (1 << 64) - 1

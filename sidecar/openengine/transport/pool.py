@@ -1,4 +1,4 @@
-"""A pool of trio-native HTTP/2 connections to the engine (:mod:`sidecar.openengine.trio_h2`),
+"""A pool of trio-native HTTP/2 connections to the engine (:mod:`sidecar.openengine.transport.connection`),
 added and removed with the number of streams. The engine client keeps one for Generate streams
 and one for everything else (control calls, Drain, KV-event subscriptions), so control traffic
 never waits behind token streams.
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import trio
 
-from sidecar.openengine.trio_h2 import CallError, Keepalive, TrioH2Connection
+from sidecar.openengine.transport.connection import CallError, EngineConnection, Keepalive
 
 #: How long a stream on a new connection waits for the peer's first SETTINGS frame.
 SETTINGS_WAIT = 2.0
@@ -52,7 +52,7 @@ _MAX_MOVES = 8
 
 @dataclass(frozen=True)
 class ConnectionOptions:
-    """How each connection of a pool is set up (:class:`~sidecar.openengine.trio_h2.TrioH2Connection`)."""
+    """How each connection of a pool is set up (:class:`~sidecar.openengine.transport.connection.EngineConnection`)."""
 
     stream_window: int = 64 * 1024
     conn_window: int = 16 * 1024 * 1024
@@ -63,7 +63,7 @@ class _Slot:
     __slots__ = ("conn", "failure", "idle_gen", "kept", "ready", "streams")
 
     def __init__(self, kept: bool) -> None:
-        self.conn: TrioH2Connection | None = None
+        self.conn: EngineConnection | None = None
         self.failure: CallError | None = None
         self.kept = kept
         self.streams = 0
@@ -111,7 +111,7 @@ class ConnectionPool:
         """Streams holding a place (opening, open or closing)."""
         return sum(s.streams for s in self._slots)
 
-    def connections(self) -> list[TrioH2Connection]:
+    def connections(self) -> list[EngineConnection]:
         return [s.conn for s in self._slots if s.conn is not None]
 
     def loads(self) -> list[tuple[int, int]]:
@@ -124,7 +124,7 @@ class ConnectionPool:
 
     # -- acquire / release ---------------------------------------------------------------------
 
-    async def acquire(self) -> tuple[TrioH2Connection, Callable[[], None]]:
+    async def acquire(self) -> tuple[EngineConnection, Callable[[], None]]:
         """A connection with room for one more stream, and the callable that gives its place
         back (call it once, after the stream ended). Raises :class:`CallError` (``lost``)."""
         for _ in range(_MAX_MOVES):
@@ -224,7 +224,7 @@ class ConnectionPool:
             self._forget(slot)
             return
         opts = self._options
-        conn = TrioH2Connection(
+        conn = EngineConnection(
             stream,
             stream_window=opts.stream_window,
             conn_window=opts.conn_window,

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import betterproto2
 
-from sidecar.openengine._betterproto2_internals import fields_by_number
+from sidecar.openengine.schema._betterproto2_internals import fields_by_number
 
 M = TypeVar("M", bound=betterproto2.Message)
 

@@ -5,7 +5,7 @@ betterproto2 0.10 (pinned ``>=0.10,<0.11``) has no public API for two things the
 - **A message class's field table** (``Message._betterproto``: ``ProtoClassMetadata`` with
   ``sorted_field_names``, ``meta_by_field_name`` — number, proto type, repeated, optional,
   oneof group, map key/value types — ``cls_by_field`` and ``default_gen``). The strict wire
-  check (:mod:`sidecar.openengine.rawfields`), the proto3-JSON mapping and the north JSON
+  check (:mod:`sidecar.openengine.schema.protobuf_wire`), the proto3-JSON mapping and the north JSON
   Schema (``sidecar.north.pbjson``, ``sidecar.north.pbschema``) walk it. :func:`fields` gives
   it as plain :class:`Field` records.
 - **A message's unknown-field buffer** (``Message._unknown_fields``: the bytes of fields the
@@ -133,11 +133,11 @@ def missing_internals() -> list[str]:
         missing += [f"FieldMetadata.{n}" for n in wanted if n not in field_meta.__dataclass_fields__]
     if "_betterproto" not in dir(probe):
         missing.append("Message._betterproto")
-    if not isinstance(getattr(_Probe(), "_unknown_fields", None), bytes):
+    if not isinstance(getattr(_FieldProbe(), "_unknown_fields", None), bytes):
         missing.append("Message._unknown_fields")
     return missing
 
 
 @dataclass(eq=False, repr=False)
-class _Probe(betterproto2.Message):
+class _FieldProbe(betterproto2.Message):
     """An empty message class, to look at a message instance."""
