@@ -59,12 +59,12 @@ class _MapStored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
     block_size: int = 0
     lora_id: int | None = None
     medium: str | None = None
-    lora_name: str | dict[str, Any] | None = None
-    extra_keys: list[Any] | UnsetType | None = UNSET
+    lora_name: str | dict[str, object] | None = None
+    extra_keys: list[object] | UnsetType | None = UNSET
     group_idx: int | UnsetType | None = UNSET
     kv_cache_spec_kind: str | UnsetType | None = UNSET
     kv_cache_spec_sliding_window: int | UnsetType | None = UNSET
-    metadata: dict[str, Any] | UnsetType | None = UNSET
+    metadata: dict[str, object] | UnsetType | None = UNSET
 
 
 class _MapRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=False):
@@ -84,8 +84,8 @@ class _ArrStored(msgspec.Struct, array_like=True, tag="BlockStored", gc=False):
     block_size: int = 0
     lora_id: int | None = None
     medium: str | None = None
-    lora_name: str | dict[str, Any] | None = None
-    extra_keys: list[Any] | None = None
+    lora_name: str | dict[str, object] | None = None
+    extra_keys: list[object] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
@@ -244,7 +244,7 @@ MAX_NESTING = 16
 reach the interpreter's recursion limit."""
 
 
-def _nesting(value: Any, depth: int = 0) -> int:
+def _nesting(value: object, depth: int = 0) -> int:
     if depth > MAX_NESTING:
         return depth
     if type(value) is list:
@@ -271,7 +271,7 @@ def _decode_generic(payload: bytes) -> tuple[EventBatch, Form]:
         raw = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as err:
         raise KvDecodeError(f"payload is not msgpack: {err}") from err
-    rank: Any = None
+    rank: object = None
     if isinstance(raw, list):
         if len(raw) < 2:
             raise KvDecodeError(f"batch array has {len(raw)} fields, expected [ts, events, dp_rank?]")

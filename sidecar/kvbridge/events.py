@@ -51,12 +51,12 @@ class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False)
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
-    extra_keys: list[Any] | UnsetType | None = UNSET
+    extra_keys: list[object] | UnsetType | None = UNSET
     """Per block: a tuple (list) of extra hash inputs — multimodal hashes, LoRA, cache salt — or None."""
     group_idx: int | UnsetType | None = UNSET
     kv_cache_spec_kind: str | UnsetType | None = UNSET
     kv_cache_spec_sliding_window: int | UnsetType | None = UNSET
-    metadata: dict[str, Any] | UnsetType = UNSET
+    metadata: dict[str, object] | UnsetType = UNSET
     """Older SGLang's per-store map (``cache_salt``, ``session_id``), sent in the lora_name slot."""
 
 

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Protocol
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
+from typing import Protocol
 
 import trio
 
@@ -47,11 +49,15 @@ log = logging.getLogger(__name__)
 
 
 class KvEventClient(Protocol):
-    """The part of ``EngineClient`` the gRPC ingest uses."""
+    """The part of ``EngineClient`` the KV bridge uses."""
 
     def subscribe_kv_events(
         self, request: pb.SubscribeKvEventsRequest, *, max_message_bytes: int | None = None
-    ) -> Any: ...
+    ) -> AbstractAsyncContextManager[AsyncIterator[pb.SubscribeKvEventsResponse]]: ...
+
+    async def get_kv_event_sources(
+        self, request: pb.GetKvEventSourcesRequest | None = None
+    ) -> pb.GetKvEventSourcesResponse: ...
 
 
 class GrpcIngest:

@@ -19,17 +19,17 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Protocol
 
 import trio
 import zmq
 
 from sidecar.kvbridge.errors import KvConfigError, KvSourceError
 from sidecar.kvbridge.events import OutBatch, cleared_payload
-from sidecar.kvbridge.ingest_grpc import GrpcIngest
+from sidecar.kvbridge.ingest_grpc import GrpcIngest, KvEventClient
 from sidecar.kvbridge.ingest_limits import IngestLimits
 from sidecar.kvbridge.ingest_zmq import ZmqIngest
 from sidecar.kvbridge.metrics import RankMetrics
@@ -134,7 +134,7 @@ class KvBridgeInfo:
     buffer_steps: int
     ranks: tuple[KvRankInfo, ...] = field(default_factory=tuple)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """JSON-ready form: ``{"format": "vllm-zmq", "topic", "bufferSteps", "ranks": [...]}``."""
         return {
             "format": "vllm-zmq",
@@ -153,7 +153,7 @@ class KvBridgeInfo:
         }
 
 
-async def discover_sources(client: Any, config: KvBridgeConfig) -> list[KvSource]:
+async def discover_sources(client: KvEventClient, config: KvBridgeConfig) -> list[KvSource]:
     """``GetKvEventSources`` + :func:`plan_sources`; retries an unreachable engine until
     ``discovery_timeout``. Raises :class:`KvSourceError` (also on timeout) or the client's
     non-retryable error (e.g. ``EngineStatusError`` UNIMPLEMENTED: no KV event sources)."""
@@ -178,14 +178,20 @@ async def discover_sources(client: Any, config: KvBridgeConfig) -> list[KvSource
     return plan_sources(resp, config.dp_ranks)
 
 
+class _Ingest(Protocol):
+    async def run(self) -> None: ...
+
+    def cleared(self) -> OutBatch: ...
+
+
 async def _supervise(
-    make: Any, rank: int, out: trio.MemorySendChannel[list[OutBatch]], backoff: float
+    make: Callable[..., _Ingest], rank: int, out: trio.MemorySendChannel[list[OutBatch]], backoff: float
 ) -> None:
     """Run ``make().run`` forever; an unexpected crash is logged, resynced (``AllBlocksCleared``
     in the crashed ingest's form) and restarted."""
     cleared = False
     while True:
-        ingest: Any = None
+        ingest: _Ingest | None = None
         try:
             ingest = make(cleared=cleared)
             await ingest.run()
@@ -206,7 +212,7 @@ async def _supervise(
 async def run_kv_bridge(
     config: KvBridgeConfig,
     *,
-    engine_client: Any = None,
+    engine_client: KvEventClient | None = None,
     sources: Sequence[KvSource] | None = None,
     task_status: trio.TaskStatus[KvBridgeInfo] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -264,7 +270,7 @@ async def run_kv_bridge(
                         heartbeat=config.heartbeat,
                     )
                 )
-                make: Any
+                make: Callable[..., _Ingest]
                 if isinstance(src, ZmqSource):
                     make = partial(
                         ZmqIngest,
@@ -279,6 +285,7 @@ async def run_kv_bridge(
                     )
                     source_ep: str | None = src.endpoint
                 else:
+                    assert engine_client is not None  # refused above otherwise
                     make = partial(
                         GrpcIngest,
                         engine_client,
