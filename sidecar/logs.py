@@ -92,7 +92,7 @@ def setup_logging(level: str = "info", fmt: str = "text") -> None:
     handler.addFilter(_ContextFilter())
     root.addHandler(handler)
     root.setLevel(getattr(logging, level.upper(), logging.INFO))
-    # The wire-level loggers under grpclib log every header value at DEBUG (routing keys,
+    # The HTTP/2 libraries' wire-level loggers log every header value at DEBUG (routing keys,
     # application metadata): never let --log-level debug put request metadata in the logs.
     for name in ("hpack", "h2"):
         logging.getLogger(name).setLevel(max(logging.INFO, root.level))

@@ -2,11 +2,11 @@
 ``unloadLora``, ``releaseKvSession``, a ``health`` call with params for the engine): bounded,
 and never in the way of the sidecar's own.
 
-The sidecar's Health checks, GetLoad polls and Aborts share the engine's control connection
-with these calls. An HTTP/2 connection carries a limited number of streams at once (grpclib's
-servers: 100); calls past it wait inside the client without a timeout — so an unbounded number
-of client calls (a ``listLoras`` flood) would make the sidecar's own Health checks time out
-and declare a healthy engine lost. Client calls therefore take a slot of this lane: at most
+The sidecar's Health checks, GetLoad polls and Aborts share the engine client's control pool
+with these calls. An HTTP/2 connection carries a limited number of streams at once (h2-based
+servers: 100) and the pool a limited number of connections; past them calls wait — so an
+unbounded number of client calls (a ``listLoras`` flood) would make the sidecar's own Health
+checks time out and declare a healthy engine lost. Client calls therefore take a slot of this lane: at most
 ``capacity`` at once in the sidecar, at most ``per_owner`` of them for one connection; a call
 that finds no slot is refused at once (``OVERLOADED``, retryable), never queued. With the
 defaults (8) plus at most 64 Aborts (``LifecycleConfig.max_concurrent_aborts``), a Health

@@ -280,8 +280,9 @@ class EngineStream(Generic[T]):
             self._done = True
             self._rules.check_end()
             raise StopAsyncIteration
-        try:
-            msg = await self._decoder(data)
+        decoder = self._decoder
+        try:  # (the check inline: one coroutine less per token)
+            msg = decoder.decode(data) if len(data) <= decoder.inline_max else await decoder(data)
         except Exception as err:  # betterproto2 raises assorted errors on malformed protobuf
             call.cancel()
             self._done = True

@@ -3,8 +3,8 @@ message is decoded.
 
 The engine is trusted for what its messages say, not for their sizes (docs/SECURITY.md,
 "Engine"). Every message the :class:`~sidecar.openengine.client.EngineClient` receives is
-checked against its kind's bound from the gRPC length prefix, before a byte of it is read
-(:func:`sidecar.openengine.serving._grpclib_internals.recv_bounded`): over it, the call fails with
+checked against its kind's bound from the gRPC length prefix, before a byte of it is kept
+(:class:`sidecar.openengine.transport.grpc_framing.MessageReader`): over it, the call fails with
 :class:`~sidecar.openengine.engine_errors.EngineMessageTooLarge`.
 
 Decoding is CPU work proportional to the size (betterproto2: ~1 µs per byte): a message up to

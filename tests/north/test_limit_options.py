@@ -98,7 +98,6 @@ def test_environment_variables_are_read(monkeypatch: pytest.MonkeyPatch) -> None
         "--engine-max-answer-bytes=4MiB",
         "--http-max-connections=-1",
         "--http-max-connections-per-peer=x",
-        "--engine-transport=h3",
     ],
 )
 def test_bad_values_are_refused_at_parse_time(flag: str) -> None:

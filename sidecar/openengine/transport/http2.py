@@ -1,17 +1,16 @@
-"""The client side of one HTTP/2 connection (RFC 9113), I/O-free: what gRPC server-streaming
+"""The client side of one HTTP/2 connection (RFC 9113), I/O-free: what gRPC
 calls need and nothing more. :mod:`sidecar.openengine.transport.connection` moves its bytes.
 
-Why not the ``h2`` library (docs/PERFORMANCE.md, "The Generate framing"): h2 is a complete,
-general state machine — header validation and normalisation, a frame object and an event
-object per frame, a trace ``repr`` of every frame, HPACK's dynamic table on every request — and
-on a one-token request that was a quarter of the sidecar's CPU. This module keeps what a client
-of gRPC calls uses: it frames and parses bytes directly, tracks each stream's windows and
-state, and leaves HPACK *decoding* to the ``hpack`` library (its dynamic table must see every
-header block the engine sends, in order). The ``grpclib`` transport (``--engine-transport
-grpclib``) stays on h2.
+Why not the ``h2`` library (docs/design/engine-transport.md): h2 is a complete, general state
+machine — header validation and normalisation, a frame object and an event object per frame,
+HPACK's dynamic table on every request — and configured as lean as it goes it still cost the
+sidecar a fifth more CPU per short request. This module keeps what a client of gRPC calls uses:
+it frames and parses bytes directly, tracks each stream's windows and state, and leaves HPACK
+*decoding* to the ``hpack`` library (its dynamic table must see every header block the engine
+sends, in order).
 
-:class:`ClientConnection` mirrors the subset of ``h2.connection.H2Connection`` the transport
-used: :meth:`~ClientConnection.send_headers`, :meth:`~ClientConnection.send_data`,
+:class:`ClientConnection` offers what the transport uses, named as ``h2.connection.H2Connection``
+names it: :meth:`~ClientConnection.send_headers`, :meth:`~ClientConnection.send_data`,
 :meth:`~ClientConnection.reset_stream`, :meth:`~ClientConnection.acknowledge_received_data`,
 :meth:`~ClientConnection.ping`, :meth:`~ClientConnection.close_connection` queue frames;
 :meth:`~ClientConnection.data_to_send` takes them; :meth:`~ClientConnection.receive_data` turns
