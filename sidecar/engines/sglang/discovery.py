@@ -77,6 +77,9 @@ def discover(
     max_running = int(snapshot.max_running_requests)
     radix = not bool(server_args.disable_radix_cache)
     eos = getattr(tokenizer, "eos_token_id", None)
+    model_path = str(getattr(server_args, "model_path", None) or settings.model)
+    tokenizer_source = str(getattr(server_args, "tokenizer_path", None) or model_path)
+    tokenizer_mode = str(getattr(server_args, "tokenizer_mode", None) or "auto")
     vocab = int(model_config.vocab_size)
     server = pb.ServerInfo(
         engine_name=ENGINE_NAME,
@@ -115,15 +118,13 @@ def discover(
         supported=True, candidate_selection_modes=[_TOP_N], max_top_n=settings.max_logprobs
     )
     model = pb.ModelInfo(
-        model_id=str(server_args.model_path),
+        model_id=model_path,
         served_model_name=names[0],
         served_model_aliases=list(names[1:]),
         max_context_length=max_len,
         max_output_tokens=max_len - 1,
-        tokenizer_modes=[str(server_args.tokenizer_mode)],
-        tokenizer=pb.TokenizerInfo(
-            source=str(server_args.tokenizer_path), mode=str(server_args.tokenizer_mode)
-        ),
+        tokenizer_modes=[tokenizer_mode],
+        tokenizer=pb.TokenizerInfo(source=tokenizer_source, mode=tokenizer_mode),
         supports_text_input=True,
         supports_token_ids_input=True,
         generation=pb.GenerationCapabilities(
