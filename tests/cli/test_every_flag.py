@@ -132,7 +132,9 @@ def _flag(option: click.Option) -> str:
 @pytest.mark.parametrize(("command", "option"), OPTIONS, ids=[f"{c} {_flag(o)}" for c, o in OPTIONS])
 def test_every_flag_refuses_a_bad_value_at_parse_time(command: str, option: click.Option) -> None:
     flag = _flag(option)
-    if (command, flag) in FREE_TEXT or (("*", flag) in FREE_TEXT and command not in ("vllm-engine", "sglang-engine")):
+    if (command, flag) in FREE_TEXT or (
+        ("*", flag) in FREE_TEXT and command not in ("vllm-engine", "sglang-engine")
+    ):
         assert option.type is click.STRING or isinstance(option.type, click.types.StringParamType), flag
         return
     if (command, flag) in CROSS_FLAG:

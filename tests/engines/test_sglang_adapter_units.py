@@ -115,6 +115,20 @@ def test_requests_map_onto_sglang_fields() -> None:
     assert err.value.status == "UNIMPLEMENTED"
 
 
+def test_stop_token_ids_with_ignore_eos_are_refused_unless_eos() -> None:
+    """SGLang's ignore_eos turns its stop token check off: it would generate past them."""
+
+    def req(*ids: int) -> pb.GenerateRequest:
+        conditions = [pb.StopCondition(stop_token_id=i) for i in ids]
+        stopping = pb.StoppingOptions(max_tokens=4, ignore_eos=True, conditions=conditions)
+        return pb.GenerateRequest(request_id="s", prompt="p", stopping=stopping)
+
+    with pytest.raises(RpcStatusError) as err:
+        plan_request(req(5), [], LIMITS, frozenset({2}))
+    assert err.value.status == "UNIMPLEMENTED"
+    assert plan_request(req(2), [], LIMITS, frozenset({2})).kwargs["sampling_params"]["ignore_eos"] is True
+
+
 @pytest.mark.parametrize(("a", "b"), [("req-1", "req-10"), ("a", "a_0"), ("x_1", "x"), ("1:a", "a")])
 def test_no_rid_starts_with_another(a: str, b: str) -> None:
     """SGLang's scheduler aborts every rid that starts with the one it is given."""

@@ -2,8 +2,8 @@
 
 Every check passes except four skips, each for a reason docs/ENGINES.md gives: the suite cannot
 make an aggregated engine fail an accepted request (``generate.nothing-after-error``); SGLang's
-``ignore_eos`` also turns off stop token ids, so the suite's stop-token request (greedy,
-``ignore_eos``) never stops on its token (``generate.stop-match``); the adapter does not enable
+``ignore_eos`` also turns off stop token ids, so the adapter refuses the suite's only STOP
+request (greedy, ``ignore_eos``, a stop token: ``generate.stop-match``); the adapter does not enable
 LoRA (``lora.lifecycle``); it serves aggregated only (``pd.handoff``). The Drain checks leave the
 engine refusing work, so this test runs after every other one (``sglang_destructive``).
 """

@@ -72,7 +72,10 @@ class SglangEngine(AdapterEngine):
         return RpcStatusError("UNAVAILABLE", why) if why else None
 
     def plan(self, request: pb.GenerateRequest, metadata: Sequence[tuple[str, str | bytes]]) -> Plan:
-        return plan_request(request, metadata, self.discovery.limits)
+        eos = self.discovery.eos_token_id
+        return plan_request(
+            request, metadata, self.discovery.limits, frozenset(() if eos is None else (eos,))
+        )
 
     async def engine_abort(self, request_ids: list[str]) -> None:
         tm = self.tokenizer_manager

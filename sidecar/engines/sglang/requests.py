@@ -4,7 +4,9 @@
 engine will not run: the engine-neutral checks of :mod:`sidecar.engines.common.checks` (the
 statuses are listed there), and what SGLang cannot do here, ``UNIMPLEMENTED``: guided decoding
 by choice or JSON object (SGLang takes a JSON schema, a regex or an EBNF grammar), the
-prefix-cache bypass, ``openengine-priority`` (priority scheduling is off). Everything else maps
+prefix-cache bypass, ``openengine-priority`` (priority scheduling is off), and stop token ids
+other than EOS together with ``ignore_eos`` (SGLang's ``ignore_eos`` turns stop token ids off
+too: it would generate past them). Everything else maps
 onto SGLang's own fields (docs/ENGINES.md has the table). I/O-free, SGLang-free.
 
 SGLang's rid is not the request id: its scheduler aborts every request whose rid *starts
@@ -94,7 +96,10 @@ class Plan:
 
 
 def plan_request(
-    request: pb.GenerateRequest, metadata: Sequence[tuple[str, str | bytes]], limits: ModelLimits
+    request: pb.GenerateRequest,
+    metadata: Sequence[tuple[str, str | bytes]],
+    limits: ModelLimits,
+    eos_token_ids: frozenset[int] = frozenset(),
 ) -> Plan:
     """Check ``request`` and map it; raises :class:`RpcStatusError` (see the module doc)."""
     priority, trace = metadata_values(metadata)
@@ -104,6 +109,9 @@ def plan_request(
     source = prompt_input(request, limits)
     sampling = {_SAMPLING[k]: v for k, v in sampling_values(request.sampling, limits).items()}
     stopping = stopping_values(request.stopping, limits)
+    if stopping.get("ignore_eos") and set(stopping.get("stop_token_ids") or ()) - eos_token_ids:
+        # SGLang's scheduler checks no stop token at all under ignore_eos: it would run past them
+        raise unsupported("stop token ids with ignore_eos: this engine ignores both together")
     sampling.update({_STOPPING[k]: v for k, v in stopping.items()})
     kwargs: dict[str, Any] = {"stream": True}
     if isinstance(source, str):
