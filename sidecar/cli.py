@@ -36,6 +36,7 @@ SUBCOMMANDS: dict[str, str] = {
     "conformance": "sidecar.conformance.command:conformance",
     "bench": "sidecar.bench.command:bench",
     "vllm-engine": "sidecar.engines.vllm.command:vllm_engine",
+    "sglang-engine": "sidecar.engines.sglang.command:sglang_engine",
 }
 
 

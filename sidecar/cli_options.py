@@ -40,6 +40,7 @@ COMMAND_ENV: dict[str, str] = {
     "conformance": "CONFORMANCE_",
     "mock-engine": "MOCK_",
     "vllm-engine": "VLLM_",
+    "sglang-engine": "SGLANG_",
     "bench": "BENCH_",
 }
 

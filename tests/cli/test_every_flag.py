@@ -30,6 +30,10 @@ FREE_TEXT = {
     ("vllm-engine", "--dtype"): "vLLM's own dtype names (vLLM checks them; refused as one line)",
     ("vllm-engine", "--instance-id"): "an opaque id",
     ("vllm-engine", "--kv-topic"): "a ZMQ topic prefix (any bytes)",
+    ("sglang-engine", "--served-model-name"): "served names",
+    ("sglang-engine", "--dtype"): "SGLang's own dtype names (SGLang checks them)",
+    ("sglang-engine", "--instance-id"): "an opaque id",
+    ("sglang-engine", "--kv-topic"): "a ZMQ topic prefix (any bytes)",
     ("run", "--kv-topic"): "a ZMQ topic prefix (any bytes)",
     ("*", "--expected-engine"): "an engine name compared with the card's",
     ("conformance", "--only"): "a glob or group (one matching nothing is refused before the suite)",
@@ -46,6 +50,7 @@ CROSS_FLAG = {
     ("run", "--kv-publish"): "checked with --kv-replay as one endpoint pair (test_usage.py runs it)",
     ("run", "--kv-replay"): "checked with --kv-publish as one endpoint pair (test_usage.py runs it)",
     ("vllm-engine", "--model"): "a directory holding config.json (test_usage.py runs it)",
+    ("sglang-engine", "--model"): "a directory holding config.json (tests/engines run it)",
 }
 
 #: Options whose bad value needs more than the type: (subcommand, flag) -> bad value.
@@ -63,6 +68,9 @@ SPECIAL = {
     ("vllm-engine", "--listen"): "ftp://x",
     ("vllm-engine", "--ready-file"): "/nonexistent-dir/ready.json",
     ("vllm-engine", "--block-size"): "48",
+    ("sglang-engine", "--seed"): "x",
+    ("sglang-engine", "--listen"): "ftp://x",
+    ("sglang-engine", "--ready-file"): "/nonexistent-dir/ready.json",
     ("run", "--dynamo-model-path"): "/nonexistent-dir/model",
     ("run", "--tls-cert"): "/nonexistent.pem",
     ("run", "--tls-key"): "/nonexistent.pem",
@@ -125,7 +133,9 @@ def _flag(option: click.Option) -> str:
 @pytest.mark.parametrize(("command", "option"), OPTIONS, ids=[f"{c} {_flag(o)}" for c, o in OPTIONS])
 def test_every_flag_refuses_a_bad_value_at_parse_time(command: str, option: click.Option) -> None:
     flag = _flag(option)
-    if (command, flag) in FREE_TEXT or (("*", flag) in FREE_TEXT and command != "vllm-engine"):
+    if (command, flag) in FREE_TEXT or (
+        ("*", flag) in FREE_TEXT and command not in ("vllm-engine", "sglang-engine")
+    ):
         assert option.type is click.STRING or isinstance(option.type, click.types.StringParamType), flag
         return
     if (command, flag) in CROSS_FLAG:
@@ -150,6 +160,7 @@ def test_the_sweep_sees_every_subcommand() -> None:
         "mock-engine",
         "bench",
         "vllm-engine",
+        "sglang-engine",
     }
     assert Path(__file__).name in {p.name for p in Path(__file__).parent.iterdir()}
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import trio
 
-from sidecar.engines.vllm.services import REPORT_ABORTS
+from sidecar.engines.common.services import REPORT_ABORTS
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
 from tests.e2e.harness import eventually
@@ -74,8 +74,9 @@ def build_model(root: Path) -> Path:
 
 
 @dataclass
-class VllmProc:
-    """A running ``vllm-engine``: its address, ready JSON, model directory and log file."""
+class EngineProc:
+    """A running engine adapter (``vllm-engine``, ``sglang-engine``): its address, ready JSON,
+    model directory and log file."""
 
     name: str
     model: Path
@@ -98,7 +99,7 @@ class VllmProc:
             except subprocess.TimeoutExpired:
                 pass
         try:
-            os.killpg(self.process.pid, signal.SIGKILL)  # engine core and worker too
+            os.killpg(self.process.pid, signal.SIGKILL)  # the engine's own processes too
         except ProcessLookupError:
             pass
         if self.process.poll() is None:
@@ -106,15 +107,13 @@ class VllmProc:
         return self.process.returncode
 
 
-def start_engine(model: Path, tmp: Path, name: str, *args: str) -> VllmProc:
+VllmProc = EngineProc
+
+
+def start_engine(model: Path, tmp: Path, name: str, *args: str) -> EngineProc:
     """``vllm-engine`` on ``unix://tmp/NAME.sock``; returns once it serves (raises with its log if not)."""
     sock = tmp / f"{name}.sock"
-    log = tmp / f"{name}.log"
-    ready = tmp / f"{name}.json"
     argv = [
-        sys.executable,
-        "-m",
-        "sidecar",
         "vllm-engine",
         "--model",
         str(model),
@@ -132,27 +131,33 @@ def start_engine(model: Path, tmp: Path, name: str, *args: str) -> VllmProc:
         str(MAX_MODEL_LEN),
         "--instance-id",
         name,
-        "--ready-file",
-        str(ready),
         *args,
     ]
+    return start_adapter(argv, model, tmp, name, engine_env(tmp))
+
+
+def start_adapter(argv: list[str], model: Path, tmp: Path, name: str, env: dict[str, str]) -> EngineProc:
+    """``python -m sidecar ARGV --ready-file ...`` in its own process group; returns once it serves
+    (its ready file, polled, bounded), raises with its log if it does not."""
+    log = tmp / f"{name}.log"
+    ready = tmp / f"{name}.json"
     started = time.monotonic()
-    with log.open("wb") as log_fh:  # vLLM logs to stdout, we to stderr: one file
+    with log.open("wb") as log_fh:  # engines log to stdout, we to stderr: one file
         process = subprocess.Popen(
-            argv,
+            [sys.executable, "-m", "sidecar", *argv, "--ready-file", str(ready)],
             stdin=subprocess.DEVNULL,
             stdout=log_fh,
             stderr=subprocess.STDOUT,
-            env=engine_env(tmp),
+            env=env,
             start_new_session=True,
         )
-    proc = VllmProc(name, model, process, "", {}, log, 0.0)
+    proc = EngineProc(name, model, process, "", {}, log, 0.0)
     # the engine is another process with no event to wait on: poll its ready file, bounded
     while not ready.exists() and process.poll() is None and time.monotonic() - started < START_TIMEOUT:
         time.sleep(0.2)
     if not ready.exists():
         proc.stop(5)
-        raise RuntimeError(f"vllm-engine {name} did not start in {START_TIMEOUT:.0f} s:\n{proc.tail(60)}")
+        raise RuntimeError(f"{argv[0]} {name} did not start in {START_TIMEOUT:.0f} s:\n{proc.tail(60)}")
     proc.started_in = time.monotonic() - started
     proc.info = json.loads(ready.read_text())
     proc.address = proc.info["address"]

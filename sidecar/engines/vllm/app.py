@@ -16,10 +16,11 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from sidecar.engines.common.services import ControlService, InferenceService
 from sidecar.engines.vllm.config import VllmSettings, apply_env, engine_args, kv_endpoints
 from sidecar.engines.vllm.discovery import discover
 from sidecar.engines.vllm.engine import SchedulerStatsSink, VllmEngine
-from sidecar.engines.vllm.services import ControlService, InferenceService
+from sidecar.engines.vllm.stream import run_request
 from sidecar.mock.app import ServingInfo
 from sidecar.openengine.serving.grpc_server import open_server
 
@@ -44,7 +45,7 @@ async def open_vllm_engine(settings: VllmSettings) -> AsyncIterator[tuple[VllmEn
         instance = settings.instance_id or f"vllm-{uuid.uuid4().hex[:12]}"
         discovery = discover(llm.vllm_config, llm.get_tokenizer(), settings, kv, instance_id=instance)
         engine = VllmEngine(llm, discovery, stats)
-        services = [ControlService(engine), InferenceService(engine)]
+        services = [ControlService(engine), InferenceService(engine, run_request)]
         try:
             async with open_server(services, settings.listen) as running:
                 endpoints = (f"tcp://{kv.host}:{kv.port}",) if kv is not None else ()

@@ -8,30 +8,18 @@ reason. Every flag also reads ``OPENENGINE_SIDECAR_VLLM_<FLAG>``. Logs one line 
 
 from __future__ import annotations
 
-import asyncio
-import importlib.util
-import signal
 from pathlib import Path
 from typing import Any
 
 import click
 
-from sidecar.addresses import parse_listen
-from sidecar.cli_common import CommandError
 from sidecar.cli_options import HostName, NewFile, command_option, env_name
+from sidecar.engines.common.command import check_listen, check_model_dir, require_extra, run_until_signal
 from sidecar.engines.vllm.config import VllmSettings
 
 ENV_PREFIX = env_name("--", "vllm-engine")[:-1]  # OPENENGINE_SIDECAR_VLLM_
 EXTRA_MISSING = "the 'vllm' extra is not installed (run scripts/install-vllm)"
 _opt = command_option("vllm-engine")
-
-
-def _listen(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
-    try:
-        parse_listen(value)
-    except ValueError as err:
-        raise click.BadParameter(str(err)) from None
-    return value
 
 
 def _block_size(_ctx: click.Context, _param: click.Parameter, value: int | None) -> int | None:
@@ -53,7 +41,7 @@ def _block_size(_ctx: click.Context, _param: click.Parameter, value: int | None)
     "--listen",
     default="127.0.0.1:50051",
     show_default=True,
-    callback=_listen,
+    callback=check_listen,
     help="HOST:PORT or unix:///PATH.",
 )
 @_opt("--served-model-name", "served_model_names", multiple=True, help="Served name; repeat for aliases.")
@@ -106,15 +94,9 @@ def vllm_engine(**kw: Any) -> None:
     """Serve stock vLLM (CPU build) as an OpenEngine v1 engine."""
     model: Path = kw.pop("model")
     build = kw.pop("build_tiny_model")
-
-    def check_model() -> None:
-        if not (model / "config.json").is_file():
-            raise click.BadParameter(f"{model} has no config.json (a model directory)", param_hint="--model")
-
     if not build:
-        check_model()  # a usage error whether or not the extra is installed
-    if importlib.util.find_spec("vllm") is None:
-        raise CommandError(EXTRA_MISSING)
+        check_model_dir(model)  # a usage error whether or not the extra is installed
+    require_extra("vllm", EXTRA_MISSING)
     if build:
         from sidecar.engines.vllm.tiny_model import build_tiny_model
 
@@ -122,26 +104,13 @@ def vllm_engine(**kw: Any) -> None:
             build_tiny_model(model)
         except FileExistsError as err:
             raise click.BadParameter(str(err), param_hint="--model") from None
-        check_model()
+        check_model_dir(model)
     ready_file = kw.pop("ready_file")
     settings = VllmSettings(model=str(model), served_model_names=tuple(kw.pop("served_model_names")), **kw)
 
     from sidecar.engines.vllm.app import serve_vllm
-    from sidecar.mock.command import write_ready
 
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await serve_vllm(
-            settings, stop=stop, on_ready=(lambda info: write_ready(ready_file, info)) if ready_file else None
-        )
-
-    try:
-        asyncio.run(main())
-    except OSError as err:
-        raise CommandError(f"cannot serve on {settings.listen}: {err}") from None
+    run_until_signal(lambda **run: serve_vllm(settings, **run), settings.listen, ready_file)
 
 
 if __name__ == "__main__":  # engine processes are spawned: they re-import the main module

@@ -7,11 +7,12 @@ configuration afterwards (``discovery.py``), never from here.
 
 from __future__ import annotations
 
-import ipaddress
 import os
-import socket
 from dataclasses import dataclass, field
 from typing import Any
+
+from sidecar.engines.common.net import KvEndpoints, advertised_host
+from sidecar.engines.common.net import kv_endpoints as _kv_endpoints
 
 #: Environment the adapter sets unless the caller already did: a local model directory needs
 #: no hub, vLLM's usage reporting stays off, and single-node addresses stay on this host.
@@ -54,47 +55,11 @@ class VllmSettings:
 
     def advertised_kv_host(self) -> str:
         """The routable host of the KV publisher: ``kv_host``, else the listen host when it is one."""
-        if self.kv_host:
-            return self.kv_host
-        host = self.listen.rpartition(":")[0].strip("[]") if not self.listen.startswith("unix:") else ""
-        try:
-            if host and not ipaddress.ip_address(host).is_unspecified:
-                return host
-        except ValueError:
-            return host or "127.0.0.1"
-        return "127.0.0.1"
-
-
-def free_port(host: str) -> int:
-    """A TCP port free on ``host`` right now (the publisher binds it a moment later)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass(frozen=True)
-class KvEndpoints:
-    """vLLM's publisher binds (wildcard: vLLM connects to any other tcp address); we advertise host."""
-
-    host: str
-    port: int
-    replay_port: int
-
-    @property
-    def bind(self) -> str:
-        return f"tcp://*:{self.port}"
-
-    @property
-    def replay_bind(self) -> str:
-        return f"tcp://*:{self.replay_port}"
+        return advertised_host(self.listen, self.kv_host)
 
 
 def kv_endpoints(settings: VllmSettings) -> KvEndpoints:
-    host = settings.advertised_kv_host()
-    port = settings.kv_port or free_port(host)
-    replay = settings.kv_replay_port or free_port(host)
-    return KvEndpoints(host, port, replay)
+    return _kv_endpoints(settings.listen, settings.kv_host, settings.kv_port, settings.kv_replay_port)
 
 
 def apply_env(settings: VllmSettings) -> None:

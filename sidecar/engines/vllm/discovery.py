@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sidecar.engines.vllm.config import KvEndpoints, VllmSettings
+from sidecar.engines.common.net import KvEndpoints, zmq_kv_sources
+from sidecar.engines.vllm.config import VllmSettings
 from sidecar.engines.vllm.requests import ModelLimits
 from sidecar.openengine import pb
 from sidecar.openengine.releases import SCHEMA_RELEASE
@@ -42,26 +43,15 @@ class Discovery:
     total_kv_blocks: int
     kv_sources: pb.GetKvEventSourcesResponse
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The served name and its aliases."""
+        return self.limits.names
+
 
 def _names(vllm_config: Any, settings: VllmSettings) -> tuple[str, ...]:
     name = str(vllm_config.model_config.served_model_name)
     return (name, *(n for n in settings.served_model_names[1:] if n != name))
-
-
-def kv_sources(kv: KvEndpoints | None, settings: VllmSettings) -> pb.GetKvEventSourcesResponse:
-    """vLLM's own ZMQ publisher (rank 0), at the routable address, with its replay socket."""
-    if kv is None:
-        return pb.GetKvEventSourcesResponse()
-    source = pb.KvEventSource(
-        transport="zmq",
-        endpoint_addr=pb.KvEndpoint(host=kv.host, port=kv.port, protocol="tcp"),
-        topic=settings.kv_topic,
-        replay_endpoint=f"tcp://{kv.host}:{kv.replay_port}",
-        data_parallel_rank=0,
-        encoding="msgpack",
-        buffer_steps=settings.kv_buffer_steps,
-    )
-    return pb.GetKvEventSourcesResponse(sources=[source])
 
 
 def discover(
@@ -153,4 +143,6 @@ def discover(
         priority=priority,
         guided_backend=str(vllm_config.structured_outputs_config.backend),
     )
-    return Discovery(server, model, limits, eos, blocks, kv_sources(kv, settings))
+    return Discovery(
+        server, model, limits, eos, blocks, zmq_kv_sources(kv, settings.kv_topic, settings.kv_buffer_steps)
+    )

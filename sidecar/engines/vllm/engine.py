@@ -1,10 +1,9 @@
-"""The adapter's state beside vLLM's ``AsyncLLM``: the request registry, Abort, Health, GetLoad, Drain.
+"""The vLLM adapter's engine beside vLLM's ``AsyncLLM``: admission, Health, GetLoad, vLLM's stats.
 
-One :class:`VllmEngine` per process (asyncio, one event loop). Request lifecycle: ``admit``
-(synchronous: every refusal is an :class:`~sidecar.openengine.serving.grpc_server.RpcStatusError`, a non-OK
-status before acceptance) registers the request; ``stream.run_request`` drives it through
-``AsyncLLM.generate``; ``finish`` ends it with one outcome and remembers its id (bounded) so a
-later Abort answers ``ALREADY_FINISHED``.
+One :class:`VllmEngine` per process (asyncio, one event loop). The request registry, Abort and
+Drain are the engine-neutral :class:`~sidecar.engines.common.registry.AdapterEngine`; this class
+plans requests for vLLM (``requests.plan_request``), aborts them in ``AsyncLLM`` and reports
+vLLM's state.
 
 Load counts the registry (what is in flight here), split by vLLM's scheduler stats (running,
 waiting, KV cache usage), which :class:`SchedulerStatsSink` receives after every engine step
@@ -13,16 +12,19 @@ through vLLM's stat-logger hook; ``AsyncLLM.check_health`` says whether the engi
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import betterproto2
-
+from sidecar.engines.common.registry import (
+    ABORTED,
+    CANCELLED,
+    COMPLETED,
+    FAILED,
+    Active,
+    AdapterEngine,
+)
 from sidecar.engines.vllm.discovery import Discovery
 from sidecar.engines.vllm.requests import Plan, plan_request
 from sidecar.openengine import pb
@@ -30,16 +32,7 @@ from sidecar.openengine.serving.grpc_server import RpcStatusError
 
 log = logging.getLogger(__name__)
 
-FINISHED_MEMORY = 100_000  # finished request ids kept for ALREADY_FINISHED
-RECENT_ABORTS = 4_096  # per-request Abort counts kept for GetLoad
-_DRAIN_HEARTBEAT = 1.0
-_ABORT_GRACE = 5.0
-
-# outcomes (exactly one per accepted request)
-COMPLETED = "completed"
-ABORTED = "aborted"
-CANCELLED = "cancelled"  # the client left (stream reset) before the terminal
-FAILED = "failed"
+__all__ = ["ABORTED", "CANCELLED", "COMPLETED", "FAILED", "Active", "SchedulerStatsSink", "VllmEngine"]
 
 
 class SchedulerStatsSink:
@@ -90,150 +83,35 @@ class SchedulerStatsSink:
         return _Logger(vllm_config, engine_index)
 
 
-@dataclass(eq=False)
-class Active:
-    """One accepted request."""
-
-    plan: Plan
-    abort_reason: str | None = None
-    first_event: bool = False
-
-    @property
-    def id(self) -> str:
-        return self.plan.request_id
-
-
-@dataclass
-class Counters:
-    """What the adapter saw (reported in ``GetLoad.attributes``)."""
-
-    requests_accepted: int = 0
-    outcomes: Counter[str] = field(default_factory=Counter)
-    rejected: Counter[str] = field(default_factory=Counter)
-    aborts_received: int = 0
-    abort_outcomes: Counter[str] = field(default_factory=Counter)
-    aborts_by_request: OrderedDict[str, int] = field(default_factory=OrderedDict)
-
-    def abort_seen(self, request_id: str | None) -> None:
-        self.aborts_received += 1
-        if request_id:
-            self.aborts_by_request[request_id] = self.aborts_by_request.pop(request_id, 0) + 1
-            while len(self.aborts_by_request) > RECENT_ABORTS:
-                self.aborts_by_request.popitem(last=False)
-
-
-class VllmEngine:
-    """Registry, Abort, Health, GetLoad and Drain around one ``AsyncLLM``."""
+class VllmEngine(AdapterEngine):
+    """Admission, Abort, Health and GetLoad around one ``AsyncLLM`` (registry and Drain inherited)."""
 
     def __init__(self, llm: Any, discovery: Discovery, stats: SchedulerStatsSink) -> None:
+        super().__init__()
         self.llm = llm
         self.discovery = discovery
         self.stats = stats
-        self.requests: dict[str, Active] = {}
-        self.finished: OrderedDict[str, None] = OrderedDict()
-        self.counters = Counters()
-        self.draining = False
-        self.closing = False
-        self.changed = asyncio.Event()
-        self._tasks: set[asyncio.Task[Any]] = set()
         stats.on_update = self.changed.set
 
     @property
-    def in_flight(self) -> int:
-        """Accepted requests not ended here, or still held by vLLM's scheduler (an abort reaches the
-        engine core a moment after the stream has ended)."""
-        return max(len(self.requests), self.stats.busy)
+    def engine_busy(self) -> int:
+        """Requests vLLM's scheduler holds as of its last step."""
+        return self.stats.busy
 
     @property
     def instance_id(self) -> str:
         return self.discovery.server.instance_id
 
-    def spawn(self, coro: Any) -> None:
-        """Run ``coro`` to its end even if the caller is cancelled (vLLM aborts on a reset stream)."""
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    def refusal(self) -> RpcStatusError | None:
+        if self.llm.errored:
+            return RpcStatusError("UNAVAILABLE", "the vLLM engine core is not running")
+        return None
 
-    # -- admission ---------------------------------------------------------------------
+    def plan(self, request: pb.GenerateRequest, metadata: Sequence[tuple[str, str | bytes]]) -> Plan:
+        return plan_request(request, metadata, self.discovery.limits)
 
-    def admit(self, request: pb.GenerateRequest, metadata: Sequence[tuple[str, str | bytes]]) -> Active:
-        """Check and register ``request``; raises :class:`RpcStatusError` (counted) on refusal."""
-        try:
-            if self.draining:
-                raise RpcStatusError("UNAVAILABLE", "engine is draining; not accepting new requests")
-            if self.llm.errored:
-                raise RpcStatusError("UNAVAILABLE", "the vLLM engine core is not running")
-            plan = plan_request(request, metadata, self.discovery.limits)
-            if plan.request_id in self.requests:
-                raise RpcStatusError("ALREADY_EXISTS", f"request {plan.request_id!r} is already in flight")
-        except RpcStatusError as err:
-            self.counters.rejected[err.status] += 1
-            raise
-        active = Active(plan)
-        self.requests[active.id] = active
-        self.finished.pop(active.id, None)
-        self.counters.requests_accepted += 1
-        self.changed.set()
-        return active
-
-    def finish(self, active: Active, outcome: str) -> None:
-        """End ``active`` with ``outcome`` (once); refused requests are forgotten instead."""
-        if self.requests.get(active.id) is not active:
-            return
-        del self.requests[active.id]
-        self.counters.outcomes[outcome] += 1
-        self.finished[active.id] = None
-        while len(self.finished) > FINISHED_MEMORY:
-            self.finished.popitem(last=False)
-        self.changed.set()
-
-    def forget(self, active: Active) -> None:
-        """``active`` was refused by vLLM before any event: as if never accepted."""
-        if self.requests.get(active.id) is active:
-            del self.requests[active.id]
-            self.counters.requests_accepted -= 1
-            self.changed.set()
-
-    # -- abort -------------------------------------------------------------------------
-
-    async def _abort_ids(self, actives: list[Active], reason: str) -> None:
-        for active in actives:
-            active.abort_reason = active.abort_reason or reason
-        if actives:
-            await self.llm.abort([a.id for a in actives])
-
-    async def abort(self, message: pb.AbortRequest) -> pb.AbortResponse:
-        """Abort by request id or all; idempotent (docs/LIFECYCLE.md). Raises RpcStatusError."""
-        name, value = betterproto2.which_one_of(message, "target")
-        self.counters.abort_seen(value if name == "request_id" else None)
-        try:
-            status, text = await self._abort(name, value)
-        except RpcStatusError as err:
-            self.counters.abort_outcomes[err.status] += 1
-            raise
-        self.counters.abort_outcomes[pb.AbortStatus(status).name] += 1
-        return pb.AbortResponse(status=status, message=text)
-
-    async def _abort(self, name: str | None, value: Any) -> tuple[pb.AbortStatus, str]:
-        if name == "request_id":
-            if not value:
-                raise RpcStatusError("INVALID_ARGUMENT", "abort: request_id is empty")
-            active = self.requests.get(value)
-            if active is not None:
-                await self._abort_ids([active], "abort")
-                return pb.AbortStatus.ABORTED, f"request {value} aborted"
-            if value in self.finished:
-                return pb.AbortStatus.ALREADY_FINISHED, f"request {value} already finished"
-            raise RpcStatusError("NOT_FOUND", f"abort: no request {value!r}")
-        if name == "all_requests":
-            actives = list(self.requests.values())
-            await self._abort_ids(actives, "abort")
-            return pb.AbortStatus.ABORTED, f"aborted {len(actives)} request(s)"
-        if name == "kv_session":
-            raise RpcStatusError("NOT_FOUND", "abort: this aggregated engine holds no KV sessions")
-        raise RpcStatusError(
-            "INVALID_ARGUMENT", "abort: exactly one target (request_id, kv_session, all_requests) is required"
-        )
+    async def engine_abort(self, request_ids: list[str]) -> None:
+        await self.llm.abort(request_ids)
 
     # -- health and load -----------------------------------------------------------------
 
@@ -247,39 +125,8 @@ class VllmEngine:
             core = pb.HealthCheck(
                 name="engine_core", state=pb.HealthState.NOT_READY, message=str(err) or "dead"
             )
-        state = (
-            pb.HealthState.NOT_READY
-            if core.state != pb.HealthState.READY
-            else pb.HealthState.DRAINING
-            if self.draining
-            else pb.HealthState.READY
-        )
-        checks = [
-            core,
-            pb.HealthCheck(
-                name="scheduler",
-                state=pb.HealthState.DRAINING if self.draining else pb.HealthState.READY,
-                message=f"{self.stats.running} running, {self.stats.waiting} waiting",
-            ),
-        ]
-        if message.role != pb.EngineRole.UNSPECIFIED:
-            ok = message.role == pb.EngineRole.AGGREGATED
-            checks.append(
-                pb.HealthCheck(
-                    name="role",
-                    state=pb.HealthState.READY if ok else pb.HealthState.NOT_READY,
-                    message="engine role is aggregated",
-                )
-            )
-            if not ok and state == pb.HealthState.READY:
-                state = pb.HealthState.NOT_READY
-        if message.model and message.model not in self.discovery.limits.names:
-            checks.append(
-                pb.HealthCheck(
-                    name="model", state=pb.HealthState.NOT_READY, message=f"unknown model {message.model!r}"
-                )
-            )
-        return pb.HealthResponse(state=state, checks=checks)
+        scheduler = f"{self.stats.running} running, {self.stats.waiting} waiting"
+        return self.overall_health(core, scheduler, message, self.discovery.limits.names)
 
     def requests_load(self) -> tuple[int, int]:
         """``(running, queued)``: the requests in flight here (accepted, terminal not sent), of
@@ -321,80 +168,16 @@ class VllmEngine:
                     total_kv_blocks=total,
                 )
             ]
-        c = self.counters
         attrs: dict[str, Any] = {
             "in_flight": len(self.requests),
             "vllm_unfinished_requests": self.llm.get_num_unfinished_requests(),
             "vllm_stats_steps": stats.steps,
             "vllm_running": stats.running,
             "vllm_waiting": stats.waiting,
-            "requests_accepted": c.requests_accepted,
-            "outcomes": dict(c.outcomes),
-            "rejected": dict(c.rejected),
-            "aborts_received": c.aborts_received,
-            "abort_outcomes": dict(c.abort_outcomes),
+            **self.counters.attributes(),
             "draining": self.draining,
         }
         if report_aborts:
-            attrs["aborts_by_request"] = dict(c.aborts_by_request)
+            attrs["aborts_by_request"] = dict(self.counters.aborts_by_request)
         info.attributes = pb.Struct.from_dict(attrs)
         return info
-
-    # -- drain -------------------------------------------------------------------------
-
-    def _drain_state(self, state: pb.DrainState, message: str = "") -> pb.DrainResponse:
-        return pb.DrainResponse(
-            state=state, in_flight_requests=self.in_flight, open_kv_sessions=0, message=message
-        )
-
-    async def drain(self, request: pb.DrainRequest) -> AsyncIterator[pb.DrainResponse]:
-        """``STARTED``, ``IN_PROGRESS`` on changes (and every second), ``COMPLETE`` when nothing is in
-        flight; at ``deadline_ms`` (0 = now) either complete at once or, with
-        ``abort_after_deadline``, abort everything first. ``stop_accepting_new_requests`` is final."""
-        loop = asyncio.get_running_loop()
-        if request.stop_accepting_new_requests:
-            self.draining = True
-        deadline = None if request.deadline_ms is None else loop.time() + request.deadline_ms / 1000.0
-        yield self._drain_state(pb.DrainState.STARTED, "drain started")
-        last = self.in_flight
-        aborted = False
-        while self.in_flight:
-            now = loop.time()
-            if deadline is not None and now >= deadline:
-                if not request.abort_after_deadline:
-                    yield self._drain_state(
-                        pb.DrainState.COMPLETE, "deadline reached; requests still in flight"
-                    )
-                    return
-                if aborted:
-                    yield self._drain_state(
-                        pb.DrainState.COMPLETE, "deadline reached; aborted requests did not end"
-                    )
-                    return
-                aborted = True
-                await self._abort_ids(list(self.requests.values()), "drain deadline")
-                deadline = now + _ABORT_GRACE
-                continue
-            self.changed.clear()
-            timeout = (
-                _DRAIN_HEARTBEAT if deadline is None else max(0.0, min(_DRAIN_HEARTBEAT, deadline - now))
-            )
-            try:
-                async with asyncio.timeout(timeout):
-                    await self.changed.wait()
-            except TimeoutError:
-                pass
-            if self.in_flight != last or not self.changed.is_set():
-                last = self.in_flight
-                yield self._drain_state(pb.DrainState.IN_PROGRESS)
-        yield self._drain_state(
-            pb.DrainState.COMPLETE, "aborted in-flight work at the deadline" if aborted else "drained"
-        )
-
-    async def shutdown(self) -> None:
-        """Abort what is still running (server shutdown) and let spawned aborts finish (bounded)."""
-        self.closing = True
-        if self.requests:
-            await self._abort_ids(list(self.requests.values()), "shutdown")
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=2.0)

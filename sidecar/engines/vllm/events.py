@@ -14,7 +14,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from sidecar.engines.common.events import EngineFailure, StreamEvents
 from sidecar.openengine import pb
+
+__all__ = ["EngineFailure", "EventBuilder", "token_info"]
 
 _REASONS = {
     "stop": pb.FinishReason.STOP,
@@ -53,8 +56,8 @@ def token_info(
     return info
 
 
-class EventBuilder:
-    """Turns one request's outputs into events; remembers what was sent for the terminal ones."""
+class EventBuilder(StreamEvents):
+    """Turns one request's vLLM outputs into events (the stream rules are :class:`StreamEvents`')."""
 
     def __init__(
         self,
@@ -68,35 +71,12 @@ class EventBuilder:
         top_n: int = 0,
         candidate_ids: frozenset[int] = frozenset(),
     ) -> None:
-        self.request_id = request_id
-        self.num_outputs = num_outputs
-        self.eos_token_id = eos_token_id
+        super().__init__(request_id, num_outputs, eos_token_id=eos_token_id)
         self.want_prompt = prompt_logprobs
         self.prompt_start = prompt_logprob_start
         self.top_n = top_n if output_logprobs else None
         self.output_logprobs = output_logprobs
         self.candidate_ids = candidate_ids
-        self.finished: set[int] = set()
-        self.completion_tokens = [0] * num_outputs
-        self.prompt_tokens = 0
-        self.cached_tokens: int | None = None
-        self.prompt_sent = False
-
-    @property
-    def done(self) -> bool:
-        return len(self.finished) == self.num_outputs
-
-    def usage(self) -> pb.Usage:
-        completion = sum(self.completion_tokens)
-        return pb.Usage(
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=completion,
-            total_tokens=self.prompt_tokens + completion,
-            cached_prompt_tokens=self.cached_tokens,
-        )
-
-    def _event(self, **kwargs: Any) -> pb.GenerateResponse:
-        return pb.GenerateResponse(request_id=self.request_id, **kwargs)
 
     def _prompt_event(self, out: Any) -> pb.GenerateResponse | None:
         self.prompt_sent = True
@@ -106,18 +86,7 @@ class EventBuilder:
         for pos in range(self.prompt_start, len(ids)):
             entry = scores[pos] if pos < len(scores) else None
             tokens.append(token_info(ids[pos], entry, None))
-        return self._event(prompt=pb.PromptOutput(tokens=tokens))
-
-    def _finish(self, index: int, reason: pb.FinishReason, message: str, match: pb.StopMatch | None) -> Any:
-        self.finished.add(index)
-        event = self._event(
-            finished=pb.GenerationFinished(
-                output_index=index, reason=reason, message=message, stop_match=match
-            )
-        )
-        if self.done:
-            event.usage = self.usage()
-        return event
+        return self.event(prompt=pb.PromptOutput(tokens=tokens))
 
     def _stop_match(self, completion: Any) -> pb.StopMatch | None:
         reason = completion.stop_reason
@@ -149,15 +118,12 @@ class EventBuilder:
                 continue
             ids = list(completion.token_ids)
             if ids:
-                self.completion_tokens[index] += len(ids)
                 entries = list(completion.logprobs or ()) if self.output_logprobs else []
                 tokens = [
                     token_info(tid, entries[k] if k < len(entries) else None, self.top_n, self.candidate_ids)
                     for k, tid in enumerate(ids)
                 ]
-                events.append(
-                    self._event(token=pb.TokenOutput(output_index=index, tokens=tokens, text=completion.text))
-                )
+                events.append(self.tokens(index, tokens, completion.text))
             reason = completion.finish_reason
             if reason is None:
                 continue
@@ -168,32 +134,5 @@ class EventBuilder:
             message = "" if reason in _REASONS else f"vLLM finish reason {reason!r}"
             if code == pb.FinishReason.CANCELLED:
                 message = "aborted"
-            events.append(self._finish(index, code, message, match))
+            events.append(self.finish(index, code, message, match))
         return events
-
-    def withdraw(self, events: list[pb.GenerateResponse]) -> None:
-        """``events`` were built but will not be sent (an Abort came first): as if never built."""
-        for event in events:
-            if event.token is not None:
-                self.completion_tokens[event.token.output_index or 0] -= len(event.token.tokens)
-            if event.finished is not None:
-                self.finished.discard(event.finished.output_index or 0)
-
-    def cancel_rest(self, message: str) -> list[pb.GenerateResponse]:
-        """``GenerationFinished{CANCELLED}`` for every unfinished output (Usage on the last)."""
-        return [
-            self._finish(i, pb.FinishReason.CANCELLED, message, None)
-            for i in range(self.num_outputs)
-            if i not in self.finished
-        ]
-
-    def error(self, code: pb.ErrorCode, message: str, *, retryable: bool) -> pb.GenerateResponse:
-        """The one terminal ``EngineError`` (with Usage)."""
-        self.finished.update(range(self.num_outputs))
-        return self._event(
-            error=pb.EngineError(code=code, message=message, retryable=retryable), usage=self.usage()
-        )
-
-
-class EngineFailure(Exception):
-    """vLLM ended an accepted request with an internal error."""
