@@ -47,6 +47,7 @@ def _operational(tmp_path: Path) -> dict[str, tuple[list[str], int, str]]:
         ),
         # (with the extra installed it would load the model: skipped there)
         "vllm-engine": (["--model", str(model)], 1, "'vllm' extra is not installed"),
+        "sglang-engine": (["--model", str(model)], 1, "'sglang' extra is not installed"),
     }
 
 
@@ -56,8 +57,9 @@ OPERATIONAL = sorted(set(SUBCOMMANDS) - {"bench"})
 
 @pytest.mark.parametrize("command", OPERATIONAL)
 async def test_every_operational_error_line_has_the_prefix(command: str, tmp_path: Path) -> None:
-    if command == "vllm-engine" and importlib.util.find_spec("vllm") is not None:
-        pytest.skip("the 'vllm' extra is installed: no quick run-time failure")
+    extra = {"vllm-engine": "vllm", "sglang-engine": "sglang"}.get(command)
+    if extra is not None and importlib.util.find_spec(extra) is not None:
+        pytest.skip(f"the '{extra}' extra is installed: no quick run-time failure")
     args, code, needle = _operational(tmp_path)[command]
     done = await cli(command, *args, timeout=60)
     assert done.code == code, done.err

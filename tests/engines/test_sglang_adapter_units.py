@@ -141,6 +141,7 @@ def test_command_without_the_extra_exits_1_with_the_reason(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    (tmp_path / "config.json").write_text("{}")  # a model directory: the extra is what is missing
     result = CliRunner().invoke(command.sglang_engine, ["--model", str(tmp_path)])
     assert result.exit_code == 1 and command.EXTRA_MISSING in result.output
 

@@ -146,7 +146,8 @@ def test_prompt_once_first_and_candidates_by_rank() -> None:
 def test_command_without_the_extra_exits_1_with_the_reason(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(command.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    (tmp_path / "config.json").write_text("{}")  # a model directory: the extra is what is missing
     result = CliRunner().invoke(command.vllm_engine, ["--model", str(tmp_path)])
     assert result.exit_code == 1 and command.EXTRA_MISSING in result.output
 
@@ -164,8 +165,7 @@ def test_flags_are_checked_at_parse_time(tmp_path: Path, args: list[str], needle
     assert result.exit_code == 2 and needle in result.output, result.output
 
 
-def test_model_directory_needs_a_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(command.importlib.util, "find_spec", lambda name: object())
+def test_model_directory_needs_a_config(tmp_path: Path) -> None:
     result = CliRunner().invoke(command.vllm_engine, ["--model", str(tmp_path)])
     assert result.exit_code == 2 and "has no config.json" in result.output
 

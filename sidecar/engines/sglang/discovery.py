@@ -1,4 +1,4 @@
-"""Discovery (``ServerInfo``, ``ModelInfo``, KV event sources) read off SGLang's resolved configuration.
+"""SglangDiscovery (``ServerInfo``, ``ModelInfo``, KV event sources) read off SGLang's resolved configuration.
 
 Nothing here is configured twice: page size (the KV block), KV capacity, context length, the
 running-request limit, the radix cache, the tokenizer and its EOS id all come from the running
@@ -32,7 +32,7 @@ _GUIDED_MODES = [
 
 
 @dataclass(frozen=True)
-class Discovery:
+class SglangDiscovery:
     """Everything the engine advertises; built once the engine runs (:func:`discover`)."""
 
     server: pb.ServerInfo
@@ -63,8 +63,8 @@ def discover(
     kv: KvEndpoints | None,
     *,
     instance_id: str,
-) -> Discovery:
-    """Discovery from SGLang's ``ServerArgs``, ``ModelConfig``, tokenizer and its scheduler's
+) -> SglangDiscovery:
+    """SglangDiscovery from SGLang's ``ServerArgs``, ``ModelConfig``, tokenizer and its scheduler's
     start-up report (``max_total_num_tokens``) and first load snapshot (``max_running_requests``)."""
     import sglang
 
@@ -157,4 +157,4 @@ def discover(
         guided_backend=str(server_args.grammar_backend or GUIDED_BACKEND),
     )
     sources = zmq_kv_sources(kv, settings.kv_topic, settings.kv_buffer_steps)
-    return Discovery(server, model, limits, eos, page, blocks, sources)
+    return SglangDiscovery(server, model, limits, eos, page, blocks, sources)

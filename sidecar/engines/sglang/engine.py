@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from sidecar.engines.common.registry import AdapterEngine
-from sidecar.engines.sglang.discovery import Discovery
-from sidecar.engines.sglang.requests import Plan, plan_request, sglang_rid
+from sidecar.engines.sglang.discovery import SglangDiscovery
+from sidecar.engines.sglang.requests import SglangPlan, plan_request, sglang_rid
 from sidecar.openengine import pb
 from sidecar.openengine.serving.grpc_server import RpcStatusError
 
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 class SglangEngine(AdapterEngine):
     """Admission, Abort, Health and GetLoad around one SGLang ``Engine`` (registry and Drain inherited)."""
 
-    def __init__(self, sgl: Any, discovery: Discovery) -> None:
+    def __init__(self, sgl: Any, discovery: SglangDiscovery) -> None:
         super().__init__()
         self.sgl = sgl
         self.discovery = discovery
@@ -71,7 +71,7 @@ class SglangEngine(AdapterEngine):
         why = self.alive()
         return RpcStatusError("UNAVAILABLE", why) if why else None
 
-    def plan(self, request: pb.GenerateRequest, metadata: Sequence[tuple[str, str | bytes]]) -> Plan:
+    def plan(self, request: pb.GenerateRequest, metadata: Sequence[tuple[str, str | bytes]]) -> SglangPlan:
         eos = self.discovery.eos_token_id
         return plan_request(
             request, metadata, self.discovery.limits, frozenset(() if eos is None else (eos,))

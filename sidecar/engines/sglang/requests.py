@@ -35,7 +35,7 @@ from sidecar.engines.common.checks import (
 )
 from sidecar.openengine import pb
 
-__all__ = ["ModelLimits", "Plan", "plan_request", "sglang_rid"]
+__all__ = ["ModelLimits", "SglangPlan", "plan_request", "sglang_rid"]
 
 #: OpenEngine sampling value -> SGLang ``sampling_params`` key
 _SAMPLING = {
@@ -68,7 +68,7 @@ def sglang_rid(request_id: str) -> str:
 
 
 @dataclass
-class Plan:
+class SglangPlan:
     """One accepted request, ready for ``Engine.async_generate`` (``kwargs``)."""
 
     request_id: str
@@ -100,7 +100,7 @@ def plan_request(
     metadata: Sequence[tuple[str, str | bytes]],
     limits: ModelLimits,
     eos_token_ids: frozenset[int] = frozenset(),
-) -> Plan:
+) -> SglangPlan:
     """Check ``request`` and map it; raises :class:`RpcStatusError` (see the module doc)."""
     priority, trace = metadata_values(metadata)
     if priority is not None:
@@ -150,7 +150,7 @@ def plan_request(
     if trace:
         kwargs["external_trace_header"] = trace
     kwargs["sampling_params"] = sampling
-    return Plan(
+    return SglangPlan(
         request_id=request.request_id,
         kwargs=kwargs,
         num_outputs=int(sampling.get("n", 1)),

@@ -1,4 +1,4 @@
-"""Discovery (``ServerInfo``, ``ModelInfo``, KV event sources) read off vLLM's resolved configuration.
+"""VllmDiscovery (``ServerInfo``, ``ModelInfo``, KV event sources) read off vLLM's resolved configuration.
 
 Nothing here is configured twice: block size, KV blocks, context length, batch limits, prefix
 caching, parallelism, the tokenizer and its EOS id all come from the running engine's
@@ -33,7 +33,7 @@ _GUIDED_MODES = [
 
 
 @dataclass(frozen=True)
-class Discovery:
+class VllmDiscovery:
     """Everything the engine advertises; built once the engine runs (:func:`discover`)."""
 
     server: pb.ServerInfo
@@ -56,7 +56,7 @@ def _names(vllm_config: Any, settings: VllmSettings) -> tuple[str, ...]:
 
 def discover(
     vllm_config: Any, tokenizer: Any, settings: VllmSettings, kv: KvEndpoints | None, *, instance_id: str
-) -> Discovery:
+) -> VllmDiscovery:
     import vllm
 
     model_config = vllm_config.model_config
@@ -143,6 +143,6 @@ def discover(
         priority=priority,
         guided_backend=str(vllm_config.structured_outputs_config.backend),
     )
-    return Discovery(
+    return VllmDiscovery(
         server, model, limits, eos, blocks, zmq_kv_sources(kv, settings.kv_topic, settings.kv_buffer_steps)
     )

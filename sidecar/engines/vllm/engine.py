@@ -25,8 +25,8 @@ from sidecar.engines.common.registry import (
     Active,
     AdapterEngine,
 )
-from sidecar.engines.vllm.discovery import Discovery
-from sidecar.engines.vllm.requests import Plan, plan_request
+from sidecar.engines.vllm.discovery import VllmDiscovery
+from sidecar.engines.vllm.requests import VllmPlan, plan_request
 from sidecar.openengine import pb
 from sidecar.openengine.serving.grpc_server import RpcStatusError
 
@@ -86,7 +86,7 @@ class SchedulerStatsSink:
 class VllmEngine(AdapterEngine):
     """Admission, Abort, Health and GetLoad around one ``AsyncLLM`` (registry and Drain inherited)."""
 
-    def __init__(self, llm: Any, discovery: Discovery, stats: SchedulerStatsSink) -> None:
+    def __init__(self, llm: Any, discovery: VllmDiscovery, stats: SchedulerStatsSink) -> None:
         super().__init__()
         self.llm = llm
         self.discovery = discovery
@@ -107,7 +107,7 @@ class VllmEngine(AdapterEngine):
             return RpcStatusError("UNAVAILABLE", "the vLLM engine core is not running")
         return None
 
-    def plan(self, request: pb.GenerateRequest, metadata: Sequence[tuple[str, str | bytes]]) -> Plan:
+    def plan(self, request: pb.GenerateRequest, metadata: Sequence[tuple[str, str | bytes]]) -> VllmPlan:
         return plan_request(request, metadata, self.discovery.limits)
 
     async def engine_abort(self, request_ids: list[str]) -> None:

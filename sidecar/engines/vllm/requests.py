@@ -28,7 +28,7 @@ from sidecar.engines.common.checks import (
 )
 from sidecar.openengine import pb
 
-__all__ = ["ModelLimits", "Plan", "plan_request"]
+__all__ = ["ModelLimits", "VllmPlan", "plan_request"]
 
 #: OpenEngine guide kind -> vLLM ``StructuredOutputsParams`` field
 _GUIDES = {
@@ -41,7 +41,7 @@ _GUIDES = {
 
 
 @dataclass
-class Plan:
+class VllmPlan:
     """One accepted request, ready for ``AsyncLLM.generate``."""
 
     request_id: str
@@ -58,7 +58,7 @@ class Plan:
 
 def plan_request(
     request: pb.GenerateRequest, metadata: Sequence[tuple[str, str | bytes]], limits: ModelLimits
-) -> Plan:
+) -> VllmPlan:
     """Check ``request`` and map it; raises :class:`RpcStatusError` (see the module doc)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
@@ -102,7 +102,7 @@ def plan_request(
         params = SamplingParams(**kwargs)
     except (ValueError, TypeError) as err:
         raise invalid(f"sampling options: {err}") from None
-    return Plan(
+    return VllmPlan(
         request_id=request.request_id,
         prompt=prompt,
         params=params,
