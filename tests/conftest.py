@@ -24,3 +24,21 @@ async def server(aio_loop: trio_asyncio.TrioEventLoop) -> AsyncIterator[RunningS
     await srv.start()
     yield srv
     await srv.stop()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test marked ``dynamo``, ``vllm`` or ``sglang`` needs that optional extra: skipped without it
+    locally, failed under CI (tests.prereq), before any of its fixtures start."""
+    if item.get_closest_marker("dynamo") is not None:
+        from tests.dynamo.e2e import require_dynamo
+
+        require_dynamo()
+    if item.get_closest_marker("vllm") is not None:
+        from tests.vllm.harness import require_vllm
+
+        require_vllm()
+    if item.get_closest_marker("sglang") is not None:
+        from tests.sglang.harness import require_sglang
+
+        require_sglang()

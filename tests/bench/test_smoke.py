@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from sidecar.bench.config import SCENARIOS
-from tests.dynamo.e2e import require_dynamo
+
+pytestmark = pytest.mark.subprocess
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +103,8 @@ def test_quick_bench_runs_every_scenario(quick_run: tuple[str, dict[str, Any]]) 
     assert {g["goal"] for g in doc["goals"]} >= {"relay vs direct EngineClient", "cancel → engine p99"}
 
 
+@pytest.mark.dynamo  # the dynamo scenario reports "skipped" without the extra
 def test_quick_bench_runs_the_fleet_path(quick_run: tuple[str, dict[str, Any]]) -> None:
-    require_dynamo()  # the dynamo scenario reports "skipped" without the extra
     stdout, doc = quick_run
     dyn = doc["results"]["dynamo"]
     assert "skipped" not in dyn, dyn

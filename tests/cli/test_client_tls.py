@@ -14,7 +14,7 @@ from sidecar.client import SidecarConnectionError, open_sidecar
 from tests.cli.helpers import cli
 from tests.e2e.harness import mock_engine, sidecar
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.subprocess
 
 
 async def test_wss_against_a_plain_port_says_tls(aio_loop: Any, tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ import trio
 
 from tests.cli.helpers import ROOT, clean_env
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.subprocess
 
 DEMO = ROOT / "scripts" / "demo"
 STREAMED = "== a streamed completion"

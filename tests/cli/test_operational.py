@@ -19,7 +19,7 @@ from sidecar.childproc import ENGINE_READY
 from tests.cli.helpers import cli
 from tests.e2e.harness import mock_engine, sidecar, spawn
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.subprocess
 
 WAITING = re.compile(r"waiting for engine at")
 

@@ -26,7 +26,7 @@ from tests.cli.helpers import ROOT, clean_env
 from tests.e2e.harness import spawn_argv
 from tests.prereq import require, require_tool
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.subprocess, pytest.mark.netns]
 
 README = ROOT / "README.md"
 

@@ -49,7 +49,6 @@ CASES = [
         ["vllm-engine", "--ready-file", "/nonexistent-dir/r.json", "--model", "/nonexistent-dir"],
         "--ready-file",
     ),
-    (["vllm-engine", "--model", "/nonexistent-dir"], "--model"),
     (["vllm-engine", "--model", "/tmp", "--listen", "ftp://x"], "--listen"),
     (["bench", "--out", f"{__file__}/under-a-file/out.json"], "--out"),
     (["bench", "--profile", f"{__file__}/under-a-file"], "--profile"),
@@ -81,6 +80,13 @@ async def test_bad_flag_value_is_one_line_exit_2(args: list[str], flag: str) -> 
     done = await cli(*args)
     one_line_usage_error(done, flag)
     assert done.seconds < 10  # refused before any engine wait or startup
+
+
+@pytest.mark.vllm  # without the extra, vllm-engine stops first at "the 'vllm' extra is not installed"
+async def test_vllm_engine_model_directory_is_checked_before_vllm_starts() -> None:
+    done = await cli("vllm-engine", "--model", "/nonexistent-dir")
+    one_line_usage_error(done, "--model")
+    assert done.seconds < 10
 
 
 async def test_garbage_tls_material_and_empty_token(tmp_path: Path) -> None:

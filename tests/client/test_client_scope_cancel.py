@@ -18,7 +18,7 @@ STREAMS = 8
 CANCEL_TIMEOUT = 30.0  # what each stream would wait for its end, were the fix missing
 
 
-@pytest.mark.slow
+@pytest.mark.subprocess
 async def test_cancelling_scope_around_open_sidecar_with_open_streams_is_prompt(
     aio_loop: Any, tmp_path: Path
 ) -> None:

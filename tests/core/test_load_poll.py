@@ -71,7 +71,7 @@ async def _poll_and_measure(client: EngineClient, polls: int) -> tuple[Sidecar, 
     return sidecar, per_poll[len(per_poll) // 2]
 
 
-@pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize(("ids", "dropped"), [(3_000, False), (10_000, True)])
 async def test_large_attributes_do_not_stall_the_event_loop(
     aio_loop: Any, tmp_path: Path, ids: int, dropped: bool
@@ -112,7 +112,7 @@ async def test_large_attributes_do_not_stall_the_event_loop(
                 assert metrics.LOAD_ATTRIBUTES_DROPPED._value.get() == before
 
 
-@pytest.mark.slow
+@pytest.mark.subprocess
 async def test_small_attributes_shown_as_before(aio_loop: Any, tmp_path: Path) -> None:
     """Nothing changes for an engine with a few attributes: same snapshot as ``get_load``."""
     with trio.fail_after(30):

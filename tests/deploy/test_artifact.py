@@ -137,7 +137,7 @@ def build(out: Path, env: dict[str, str]) -> tuple[str, Path]:
     return digest, Path(path)
 
 
-@pytest.mark.slow
+@pytest.mark.subprocess  # three wheel builds
 def test_two_builds_give_the_same_wheel(tmp_path: Path) -> None:
     import os
 

@@ -88,6 +88,7 @@ def ephemeral(prefix: str = "") -> dict[str, str]:
     }
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("flavor", ["vllm", "sglang"])
 async def test_local_mock_agg(tmp_path: Path, flavor: str) -> None:
     out = await run_script("local-mock-agg.sh", tmp_path, {"FLAVOR": flavor, **ephemeral()})
@@ -114,6 +115,7 @@ def _listening(path: Path) -> bool:
         return True
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("flavor", ["vllm", "sglang"])  # context-first and client bootstrap
 async def test_local_mock_disagg(tmp_path: Path, flavor: str) -> None:
     env = {"FLAVOR": flavor, **ephemeral("PREFILL_"), **ephemeral("DECODE_")}
@@ -132,6 +134,7 @@ async def test_local_mock_disagg(tmp_path: Path, flavor: str) -> None:
         assert f"decode sidecar serves a decode engine: {flavor}" in out
 
 
+@pytest.mark.subprocess
 async def test_local_mock_stops_everything_on_sigterm(tmp_path: Path) -> None:
     """Without --check the script serves until signalled, then stops what it started."""
     env = {**os.environ, "RUN_DIR": str(tmp_path / "run"), **ephemeral()}

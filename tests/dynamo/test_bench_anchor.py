@@ -11,14 +11,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import trio
 
 from sidecar.bench.fleet import ANCHOR_READY
 from sidecar.bench.pb2 import generate_pb2
-from tests.dynamo.e2e import MODEL, dynamo_env, frontend, require_dynamo, tokenizer_dir
+from tests.dynamo.e2e import MODEL, dynamo_env, frontend, tokenizer_dir
 from tests.e2e.harness import mock_engine, spawn_argv, wait_engine_idle
 
-require_dynamo()
+pytestmark = [pytest.mark.subprocess, pytest.mark.dynamo]
 
 
 async def test_anchor_streams_and_aborts_on_disconnect(aio_loop: Any, tmp_path: Path) -> None:

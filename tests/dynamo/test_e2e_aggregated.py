@@ -21,14 +21,12 @@ from tests.dynamo.e2e import (
     dynamo_sidecar,
     encode,
     frontend,
-    require_dynamo,
     tokenizer_dir,
     ws_text,
 )
 from tests.e2e.harness import mock_engine, wait_engine_idle
 
-require_dynamo()
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.subprocess, pytest.mark.dynamo]
 
 
 async def test_aggregated_worker_through_dynamo(

@@ -16,11 +16,10 @@ from typing import Any
 import pytest
 import trio
 
-from tests.dynamo.e2e import MODEL, Deployment, dynamo_sidecar, frontend, require_dynamo, tokenizer_dir
+from tests.dynamo.e2e import MODEL, Deployment, dynamo_sidecar, frontend, tokenizer_dir
 from tests.e2e.harness import mock_engine, wait_engine_idle
 
-require_dynamo()
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.subprocess, pytest.mark.dynamo]
 
 
 @pytest.mark.parametrize("flavor", ["vllm", "sglang"])

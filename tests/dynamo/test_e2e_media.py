@@ -21,7 +21,6 @@ from tests.dynamo.e2e import (
     Frontend,
     dynamo_sidecar,
     frontend,
-    require_dynamo,
     tokenizer_dir,
 )
 from tests.dynamo.media import (
@@ -37,8 +36,7 @@ from tests.dynamo.media import (
 )
 from tests.e2e.harness import mock_engine, wait_engine_idle
 
-require_dynamo()
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.subprocess, pytest.mark.dynamo]
 
 
 async def test_an_image_reaches_the_engine(

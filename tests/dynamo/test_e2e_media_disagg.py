@@ -16,12 +16,11 @@ from typing import Any
 import pytest
 import trio
 
-from tests.dynamo.e2e import MODEL, Deployment, dynamo_sidecar, frontend, require_dynamo, tokenizer_dir
+from tests.dynamo.e2e import MODEL, Deployment, dynamo_sidecar, frontend, tokenizer_dir
 from tests.dynamo.media import audio, chat, image, png_data_uri, text, video
 from tests.e2e.harness import engine_counters, mock_engine, wait_engine_idle
 
-require_dynamo()
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.subprocess, pytest.mark.dynamo]
 
 PD_ACCEPTS = {"trtllm": {"image", "video"}, "vllm": {"image"}, "sglang": {"image", "video"}}
 

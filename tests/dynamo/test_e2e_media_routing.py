@@ -30,14 +30,13 @@ from sidecar.client.sidecar_client import open_sidecar
 from sidecar.dynamo.tokenizer_dir import write_mock_tokenizer_dir
 from sidecar.mock import flavors
 from sidecar.mock import tokenizer as tok
-from tests.dynamo.e2e import MODEL, dynamo_sidecar, encode, frontend, require_dynamo
+from tests.dynamo.e2e import MODEL, dynamo_sidecar, encode, frontend
 from tests.dynamo.media import chat, image, png_data_uri, received, request_id, text
 from tests.dynamo.planes import deployment
 from tests.dynamo.routing import make_router, scores_of, words
 from tests.e2e.harness import engine_counters, eventually, mock_engine
 
-require_dynamo()
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.subprocess, pytest.mark.dynamo]
 
 PROBE = "probe-model"
 IMAGE_TOKENS = flavors.MEDIA_TOKENS[flavors.pb.Modality.IMAGE]

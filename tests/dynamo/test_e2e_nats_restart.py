@@ -16,13 +16,12 @@ from typing import Any
 import pytest
 import trio
 
-from tests.dynamo.e2e import MODEL, dynamo_sidecar, encode, frontend, require_dynamo, tokenizer_dir
+from tests.dynamo.e2e import MODEL, dynamo_sidecar, encode, frontend, tokenizer_dir
 from tests.dynamo.planes import deployment
 from tests.dynamo.routing import make_router, scores_of, warm, words
 from tests.e2e.harness import eventually, mock_engine
 
-require_dynamo()
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.subprocess, pytest.mark.dynamo]
 
 
 async def test_nats_restart_kv_events_resume_and_the_view_resyncs(

@@ -23,13 +23,12 @@ import trio
 
 from sidecar.childproc import loopback_run_args
 from sidecar.client.sidecar_client import SidecarError, open_sidecar
-from tests.dynamo.e2e import MODEL, Frontend, dynamo_sidecar, frontend, require_dynamo, tokenizer_dir
+from tests.dynamo.e2e import MODEL, Frontend, dynamo_sidecar, frontend, tokenizer_dir
 from tests.dynamo.planes import deployment, free_port
 from tests.e2e.harness import mock_engine, spawn, wait_engine_idle
 from tests.reliability.helpers import scrape
 
-require_dynamo()
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.subprocess, pytest.mark.dynamo]
 
 TOKENS = 30
 

@@ -16,13 +16,12 @@ import httpx
 import pytest
 import trio
 
-from tests.dynamo.e2e import MODEL, dynamo_sidecar, encode, frontend, require_dynamo, tokenizer_dir, ws_text
+from tests.dynamo.e2e import MODEL, dynamo_sidecar, encode, frontend, tokenizer_dir, ws_text
 from tests.dynamo.planes import PLANE_COMBINATIONS, deployment
 from tests.e2e.harness import mock_engine, wait_engine_idle
 from tests.reliability.helpers import scrape
 
-require_dynamo()
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.subprocess, pytest.mark.dynamo]
 
 
 @pytest.mark.parametrize(("request_plane", "event_plane"), PLANE_COMBINATIONS)

@@ -6,15 +6,18 @@ import json
 import random
 from pathlib import Path
 
+import pytest
+
 from sidecar.dynamo.tokenizer_dir import write_mock_tokenizer_dir
 from sidecar.mock import generator as gen
 from sidecar.mock import tokenizer as tok
-from tests.prereq import require_module
 
-tokenizers = require_module("tokenizers", "scripts/install-dynamo")
+pytestmark = pytest.mark.dynamo  # Hugging Face's tokenizers (writing the directory too) comes with it
 
 
 def test_decoding_matches_the_mock(tmp_path: Path) -> None:
+    import tokenizers
+
     root = write_mock_tokenizer_dir(tmp_path / "tok")
     t = tokenizers.Tokenizer.from_file(str(root / "tokenizer.json"))
     assert t.get_vocab_size() == tok.VOCAB_SIZE
@@ -40,7 +43,8 @@ def test_directory_files(tmp_path: Path) -> None:
 
 def test_vision_directory_engages_dynamo_media_aware_routing(tmp_path: Path) -> None:
     """Dynamo resolves the placeholder it fills with pad values only for the vision variant."""
-    core = require_module("dynamo._core", "scripts/install-dynamo")
+    from dynamo import _core as core
+
     plain = write_mock_tokenizer_dir(tmp_path / "plain")
     vision = write_mock_tokenizer_dir(tmp_path / "vision", vision=True)
     assert core.resolve_routing_image_token_id("mock", str(plain)) is None

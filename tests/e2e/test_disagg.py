@@ -33,8 +33,6 @@ from tests.e2e.harness import (
     wait_engine_idle,
 )
 
-pytestmark = pytest.mark.slow
-
 #: Sidecars here do not bridge KV events (not under test; faster to start).
 SIDECAR_ARGS = ("--no-kv-events",)
 PROMPT = " ba be bi" * 6  # 19 tokens: two KV blocks of 16, one partial

@@ -25,8 +25,6 @@ from tests.e2e.harness import (
     wait_engine_idle,
 )
 
-pytestmark = pytest.mark.slow
-
 SIDECAR_ARGS = ("--no-kv-events",)
 ROUTING = {"openengine-routing-key": "tenant-7/user-42:a=b"}
 

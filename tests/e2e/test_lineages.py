@@ -23,8 +23,6 @@ import trio
 from sidecar.client.sidecar_client import open_sidecar
 from tests.e2e.harness import generate_request, mock_engine, open_together, sidecar
 
-pytestmark = pytest.mark.slow
-
 PROMPT = " ba be bi" * 6
 #: The P/D flavour per case: legacy vLLM and SGLang (context-first without client bootstrap),
 #: SGLang with client bootstrap, TensorRT-LLM.

@@ -15,8 +15,6 @@ import trio
 from sidecar.client.sidecar_client import SidecarCallError, open_sidecar
 from tests.e2e.harness import engine_counters, eventually, generate_request, mock_engine, sidecar
 
-pytestmark = pytest.mark.slow
-
 SIDECAR_ARGS = ("--no-kv-events", "--load-interval", "0.1")
 
 

@@ -30,8 +30,6 @@ from tests.e2e.harness import (
 )
 from tests.reliability.helpers import scrape
 
-pytestmark = pytest.mark.slow
-
 
 async def http_get(url: str) -> httpx.Response:
     async with httpx.AsyncClient() as client:
@@ -150,6 +148,7 @@ async def test_duplicate_stream_and_request_ids(aio_loop: Any, tmp_path: Path) -
             assert counters["requests_accepted"] == 2
 
 
+@pytest.mark.soak
 async def test_random_cancels_and_disconnects_leak_nothing(aio_loop: Any, tmp_path: Path) -> None:
     """500 streams, 50 at a time, cancelled or disconnected at random points: exactly one Abort per
     stream that ended cancelled, none for completed ones, and nothing left on the engine."""

@@ -20,7 +20,6 @@ from typing import Any
 import httpx
 import jsonschema
 import msgspec
-import pytest
 import trio
 from trio_websocket import WebSocketConnection, open_websocket_url
 
@@ -28,8 +27,6 @@ from sidecar.north import wire
 from sidecar.openengine import pb
 from tests.e2e.harness import eventually, generate_request, mock_engine, sidecar
 from tests.north.test_schema import SCHEMA_FILE, as_json, errors
-
-pytestmark = pytest.mark.slow
 
 SIDECAR_ARGS = ("--no-kv-events", "--load-interval", "0.1")
 EVENT_KINDS = {"prompt", "token", "prefillReady", "finished", "error"}

@@ -29,7 +29,7 @@ from tests.fuzz.mutate import OP_BINARY, OP_CLOSE, OP_PING, OP_TEXT, Frame, Fram
 from tests.fuzz.rawws import Closed, RawWs
 from tests.reliability.helpers import scrape
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.subprocess
 
 MAX_MESSAGE = 65536
 FRAMES = 600

@@ -17,7 +17,7 @@ from tests.e2e.harness import eventually, mock_engine, sidecar, wait_engine_idle
 from tests.fuzz.rawws import Closed, RawWs
 from tests.reliability.helpers import scrape, stall_request
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.subprocess
 
 PER_CONNECTION = 100
 SIDECAR_WIDE = 150

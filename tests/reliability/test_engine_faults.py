@@ -20,7 +20,7 @@ from tests.e2e.harness import (
 )
 from tests.reliability.helpers import abort_socket, generate, raw_ws, scrape, stall_request
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.subprocess
 
 
 async def _stream(client: Any, request: dict[str, Any]) -> tuple[list[Any], Any, float]:

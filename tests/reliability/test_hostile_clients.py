@@ -17,7 +17,7 @@ import trio
 from sidecar.north import wire
 from tests.reliability.attacks import FORGED_ID, LOG_MARKER, SCENARIOS, STALLED, Run, Scenario, run_scenario
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.subprocess, pytest.mark.hostile]
 
 
 async def attacked(name: str, tmp_path: Path, scenarios: Mapping[str, Scenario] = SCENARIOS) -> Run:

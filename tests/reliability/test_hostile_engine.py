@@ -24,7 +24,7 @@ from tests.reliability.helpers import scrape
 from tests.reliability.test_hostile_clients import attacked
 from tests.reliability.test_security import _completes
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.subprocess, pytest.mark.hostile]
 
 
 async def test_an_oversized_generate_event_fails_its_stream_only(aio_loop: Any, tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from tests.reliability.attacks import run_scenario
 from tests.reliability.helpers import rss_kib, scrape
 from tests.reliability.test_security import TOKEN, _completes, tls_sidecar
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.subprocess, pytest.mark.hostile]
 
 RSS_BOUND_KIB = 64 * 1024
 

@@ -20,7 +20,7 @@ from tests.e2e.harness import Sidecar, eventually, generate_request, mock_engine
 from tests.reliability.helpers import Metrics, rss_kib, scrape
 from tests.reliability.test_security import _completes
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.subprocess, pytest.mark.hostile]
 
 RSS_BOUND_KIB = 64 * 1024
 REPLAY_ENDPOINT = re.compile(r"rank 0: \S+ \(replay (tcp://[^)\s]+)\)")

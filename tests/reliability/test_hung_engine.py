@@ -25,7 +25,7 @@ from sidecar.client.sidecar_client import SidecarClient, open_sidecar
 from tests.e2e.harness import eventually, generate_request, mock_engine, sidecar, wait_engine_idle
 from tests.reliability.helpers import scrape
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.subprocess
 
 HEALTH_INTERVAL, CALL_TIMEOUT = 0.5, 1.5
 KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT = 2.0, 2.0

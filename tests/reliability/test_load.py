@@ -14,7 +14,7 @@ from tests.e2e.harness import counters_once_aborted, eventually, mock_engine, si
 from tests.reliability.helpers import rss_kib, scrape
 from tests.reliability.load import LoadConfig, RoundReport, run_round, summary
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.subprocess, pytest.mark.soak]
 
 #: Every stream waits a second for its first token, so the 1,000 are in flight at once even when
 #: a loaded machine takes most of a second to open them (peaks of 660 and 728 were seen without it).

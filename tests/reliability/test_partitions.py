@@ -43,7 +43,7 @@ from tests.reliability.test_hung_engine import (
     wait_ready,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.subprocess, pytest.mark.netns]
 
 ENGINE_PORT, KV_PORT = 50051, 5557
 SILENCE_PROBE = 2.0

@@ -33,7 +33,7 @@ from sidecar.client.disagg import open_disagg
 from tests.e2e.harness import generate_request, mock_engine, sidecar, spawn_argv, wait_engine_idle
 from tests.reliability.test_hung_engine import SIDECAR_ARGS, SLACK, assert_no_leak
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.subprocess
 
 FLOWS = 4
 #: The coordinator's PING liveness of its sidecar connections, and its describe bound.

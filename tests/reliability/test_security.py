@@ -26,7 +26,7 @@ from sidecar.client.sidecar_client import SidecarConnectionError, open_sidecar
 from sidecar.run_command import run
 from tests.e2e.harness import Sidecar, generate_request, mock_engine, sidecar, spawn
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.subprocess
 
 TLS_READY = re.compile(r"serving (wss://\S+) and (https://\S+)")
 TOKEN = "s3cr3t-" + uuid.uuid4().hex

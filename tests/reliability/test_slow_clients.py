@@ -22,7 +22,7 @@ from sidecar.client.sidecar_client import open_sidecar
 from tests.e2e.harness import generate_request, mock_engine, sidecar, wait_engine_idle
 from tests.reliability.helpers import engine_load, generate, raw_ws, rss_kib, scrape
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.subprocess, pytest.mark.hostile]
 
 STALLED = re.compile(r"stalled for \d+s: disconnecting")
 ENGINE = ("--flavor", "vllm", "--fast", "--max-output-tokens", "1000000", "--max-context-length", "2000000")

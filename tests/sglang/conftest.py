@@ -17,11 +17,13 @@ from tests.vllm.harness import EngineProc, build_model
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every test under tests/sglang is marked ``sglang``; ``sglang_destructive`` ones run last."""
+    """Every test under tests/sglang is marked ``sglang`` (and ``subprocess``: they run real
+    processes); ``sglang_destructive`` ones run last."""
     here = Path(__file__).parent
     mine = [item for item in items if here in Path(str(item.fspath)).parents]
     for item in mine:
         item.add_marker(pytest.mark.sglang)
+        item.add_marker(pytest.mark.subprocess)
     destructive = [item for item in mine if item.get_closest_marker("sglang_destructive") is not None]
     for item in destructive:
         items.remove(item)

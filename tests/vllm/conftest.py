@@ -17,11 +17,13 @@ from tests.vllm.harness import VllmProc, build_model, require_vllm, start_engine
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every test under tests/vllm is marked ``vllm``; ``vllm_destructive`` ones run last."""
+    """Every test under tests/vllm is marked ``vllm`` and ``subprocess``; ``vllm_destructive``
+    ones run last."""
     here = Path(__file__).parent
     for item in items:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.vllm)
+            item.add_marker(pytest.mark.subprocess)
     items.sort(key=lambda item: item.get_closest_marker("vllm_destructive") is not None)
 
 

@@ -39,7 +39,7 @@ START_TIMEOUT = 420.0  # a cold start under a loaded 2-core machine
 
 
 def require_vllm() -> None:
-    """Skip locally without the ``vllm`` extra; fail under CI (scripts/test installs it)."""
+    """Skip locally without the ``vllm`` extra; fail under CI (``scripts/test --all`` installs it)."""
     require_module("vllm", "scripts/install-vllm")
 
 

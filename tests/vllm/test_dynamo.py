@@ -20,12 +20,12 @@ import pytest
 import trio
 
 from sidecar.client.sidecar_client import open_sidecar
-from tests.dynamo.e2e import dynamo_env, dynamo_sidecar, encode, frontend, require_dynamo
+from tests.dynamo.e2e import dynamo_env, dynamo_sidecar, encode, frontend
 from tests.dynamo.routing import scores_of, words
 from tests.e2e.harness import eventually
 from tests.vllm.harness import BLOCK, MODEL, VllmProc, attributes, wait_request_gone
 
-require_dynamo()
+pytestmark = pytest.mark.dynamo  # and vllm, as everything under tests/vllm
 
 
 async def ws_ids(ws: str, ids: list[int], max_tokens: int) -> list[int]:
