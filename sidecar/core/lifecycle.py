@@ -346,8 +346,10 @@ class StreamSupervisor:
         """Relay the engine's events to ``emit`` in order; return the stream's one outcome.
 
         ``emit`` may block (back-pressure reaches the engine through HTTP/2 flow control) and
-        raises :class:`ClientGone` when the client left. Raises nothing but the ``Cancelled``
-        of an enclosing scope — and even then the upstream is closed and aborted first.
+        raises :class:`ClientGone` when the client left (the outcome says so). Raises nothing but
+        the ``Cancelled`` of an enclosing scope — and even then the upstream is closed and aborted
+        first; a cancellation that arrives while the stream is already ending is left to the
+        caller's next checkpoint.
         """
         with log_context(request_id=handle.request_id):
             return await self._run(handle, emit)
