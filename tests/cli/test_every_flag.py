@@ -64,6 +64,7 @@ SPECIAL = {
     ("vllm-engine", "--ready-file"): "/nonexistent-dir/ready.json",
     ("vllm-engine", "--block-size"): "48",
     ("run", "--dynamo-model-path"): "/nonexistent-dir/model",
+    ("run", "--otlp-endpoint"): "ftp://x",
     ("run", "--tls-cert"): "/nonexistent.pem",
     ("run", "--tls-key"): "/nonexistent.pem",
     ("bench", "--out"): f"{__file__}/under-a-file/out.json",
