@@ -50,7 +50,9 @@ def generate_span(rx: Receiver, request_id: str) -> Span | None:
     return found[0] if found else None
 
 
-async def test_a_cancelled_streams_trace_shows_its_abort_and_the_answer(aio_loop: Any, tmp_path: Path) -> None:
+async def test_a_cancelled_streams_trace_shows_its_abort_and_the_answer(
+    aio_loop: Any, tmp_path: Path
+) -> None:
     """One ``generate`` span under the client's span: admitted, first token, cancel, the Abort
     sent and answered, end; the Abort call is a child span answered ``aborted``; the engine got
     the sidecar span's ``traceparent`` (its own spans would nest under it)."""
@@ -117,7 +119,10 @@ async def test_an_abort_that_overtook_its_request_is_traced_with_its_confirmatio
     assert span.event("abort.answered") == {"openengine.abort.result": "not_found"}
     first, confirm = sorted(aborts, key=lambda a: a.start)
     assert first.attributes == {"openengine.abort.state": "sending", "openengine.abort.result": "not_found"}
-    assert confirm.attributes == {"openengine.abort.state": "confirming", "openengine.abort.result": "aborted"}
+    assert confirm.attributes == {
+        "openengine.abort.state": "confirming",
+        "openengine.abort.result": "aborted",
+    }
     assert first.end <= span.end < confirm.start
 
 
