@@ -74,6 +74,8 @@ class Receiver:
     def __init__(self, url: str) -> None:
         self.url = url
         self.requests = 0
+        #: Requests taken but not answered yet (held by :meth:`hold`).
+        self.requests_waiting = 0
         self.status = 200
         self._spans: list[Span] = []
         self._lock = threading.Lock()
@@ -100,7 +102,11 @@ class Receiver:
             self._open.set()
 
     def _take(self, body: bytes) -> int:
+        with self._lock:
+            self.requests_waiting += 1
         self._open.wait(30)
+        with self._lock:
+            self.requests_waiting -= 1
         request = ExportTraceServiceRequest.FromString(body)
         got: list[Span] = []
         for rs in request.resource_spans:

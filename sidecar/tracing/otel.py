@@ -46,11 +46,13 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 
 class _CountingExporter(SpanExporter):
     """The OTLP exporter, counting what it exported or failed to, and telling the processor
-    which spans have left its queue."""
+    which spans have left its queue. A failing collector is logged once (and once more when it
+    works again), not at every batch: the exporter's own log stays quiet below CRITICAL."""
 
-    def __init__(self, inner: SpanExporter, processor: _BoundedProcessor) -> None:
+    def __init__(self, inner: SpanExporter, processor: _BoundedProcessor, where: str) -> None:
         self._inner = inner
         self._processor = processor
+        self._where = where
         self._failing = False
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
@@ -63,11 +65,12 @@ class _CountingExporter(SpanExporter):
         ok = result is SpanExportResult.SUCCESS
         TRACE_SPANS.labels("exported" if ok else "export_failed").inc(len(spans))
         if ok and self._failing:
-            log.info("trace export works again")
+            log.info("trace export to %s works again", self._where)
         elif not ok and not self._failing:
             log.warning(
-                "trace export failing: spans are dropped until the collector answers"
-                " (counted in openengine_sidecar_trace_spans_total)"
+                "trace export to %s failing (no answer, or refused): spans are dropped until the"
+                " collector takes them (counted in openengine_sidecar_trace_spans_total)",
+                self._where,
             )
         self._failing = not ok
         return result
@@ -85,12 +88,12 @@ class _BoundedProcessor(SpanProcessor):
     processor's own queue never overflows (it would drop silently). The count goes down as
     the exporter takes each batch (:meth:`left_queue`)."""
 
-    def __init__(self, exporter: SpanExporter, max_queue: int) -> None:
+    def __init__(self, exporter: SpanExporter, max_queue: int, where: str) -> None:
         self._max = max_queue
         self._held = 0
         self._lock = threading.Lock()
         self._batch = BatchSpanProcessor(
-            _CountingExporter(exporter, self),
+            _CountingExporter(exporter, self, where),
             max_queue_size=max_queue,
             max_export_batch_size=min(512, max_queue),
         )
@@ -128,7 +131,9 @@ def build_tracer(config: TracingConfig, exporter: SpanExporter | None = None) ->
     provider = TracerProvider(resource=resource, shutdown_on_exit=False)
     if exporter is None:
         exporter = OTLPSpanExporter(endpoint=config.traces_url)
-    provider.add_span_processor(_BoundedProcessor(exporter, config.max_queue))
+        logging.getLogger("opentelemetry.exporter").setLevel(logging.CRITICAL)  # _CountingExporter says it
+    where = config.traces_url or "the OTEL_EXPORTER_OTLP_* endpoint"
+    provider.add_span_processor(_BoundedProcessor(exporter, config.max_queue, where))
     return Tracer(provider)
 
 

@@ -189,3 +189,27 @@ async def test_a_drain_refusal_is_a_span_of_its_own(aio_loop: Any, tmp_path: Pat
     cut = generate_span(rx, "long")
     assert cut is not None and "cancel" in cut.event_names()
     assert cut.attributes["openengine.error_code"] == "ERROR_CODE_DRAINING"
+
+
+async def test_a_retried_abort_is_one_span_per_call(aio_loop: Any, tmp_path: Path) -> None:
+    """The engine refuses the first Abort (fault ``drop-aborts=1``: UNAVAILABLE): that call's
+    span says ``refused`` with an error status, the retry's ``aborted``."""
+    with otlp_receiver() as rx, trio.fail_after(30):
+        async with (
+            mock_engine(tmp_path, "--token-delay-ms", "20", "--fault", "drop-aborts=1") as engine,
+            sidecar(engine.address, "--otlp-endpoint", rx.url) as sc,
+            open_sidecar(sc.ws) as client,
+        ):
+            async with client.generate(generate_request(max_tokens=500, requestId="retried")) as s:
+                async for _ in s:
+                    break
+                await s.cancel()
+                await s.wait_end()
+            span = await eventually(lambda: generate_span(rx, "retried"))
+            aborts = await eventually(lambda: (lambda c: c if len(c) == 2 else None)(rx.children(span)))
+            counters = await wait_engine_idle(engine.address)
+    assert counters["requests_leaked"] == 0
+    first, retry = sorted(aborts, key=lambda a: a.start)
+    assert (first.attributes["openengine.abort.result"], first.status) == ("refused", "error")
+    assert (retry.attributes["openengine.abort.result"], retry.status) == ("aborted", "unset")
+    assert span.event("abort.answered") == {"openengine.abort.result": "refused"}
