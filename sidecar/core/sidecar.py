@@ -211,7 +211,12 @@ class Sidecar:
     @card.setter
     def card(self, card: WorkerCard | None) -> None:
         if card is not self._card:
-            self._card = card
+            old, self._card = self._card, card
+            if card is not None and (
+                old is None or (old.engine.name, old.role) != (card.engine.name, card.role)
+            ):
+                metrics.ENGINE_INFO.clear()
+                metrics.ENGINE_INFO.labels(card.engine.name, card.role).set(1)
             self._notify_change()
 
     def set_kv_publish_endpoints(self, endpoints: list[str]) -> None:
