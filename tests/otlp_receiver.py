@@ -171,3 +171,22 @@ def otlp_receiver() -> Iterator[Receiver]:
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+def main() -> None:
+    """``python -m tests.otlp_receiver``: serve until interrupted, printing the collector URL
+    (a collector to point ``--otlp-endpoint`` at when measuring tracing's cost)."""
+    import time
+
+    with otlp_receiver() as receiver:
+        print(receiver.url, flush=True)
+        try:
+            while True:
+                time.sleep(60)
+                print(f"{receiver.requests} requests, {len(receiver.spans())} spans", flush=True)
+        except KeyboardInterrupt:
+            pass
+
+
+if __name__ == "__main__":
+    main()

@@ -260,13 +260,13 @@ class StreamTrace:
         return AbortCall(self, span)
 
     def end(self, attributes: Attributes, error: str | None) -> None:
-        """Event ``end``, the final attributes; status ERROR with ``error`` when the stream failed."""
+        """The final attributes, event ``end``; status ERROR with ``error`` when the stream failed."""
         if not self._open:
             return
         self._open = False
         span = self._span
         span.set_attributes(attributes)
-        span.add_event("end", attributes)
+        span.add_event("end")
         if error is not None:
             span.set_status(Status(StatusCode.ERROR, error))
         span.end()

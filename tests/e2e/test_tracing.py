@@ -179,6 +179,9 @@ async def test_a_drain_refusal_is_a_span_of_its_own(aio_loop: Any, tmp_path: Pat
                 async with client.generate(refused, {"traceparent": TRACEPARENT}) as s:
                     end = await s.wait_end()
                 assert end.outcome == "rejected" and end.error.code == "ERROR_CODE_DRAINING"
+                async with client.generate(generate_request(requestId="no-metadata")) as s:
+                    end = await s.wait_end()
+                assert end.outcome == "rejected" and end.error.code == "ERROR_CODE_DRAINING"
                 await long.wait_end()
             assert await sc.proc.wait(timeout=10) == 0  # the last spans left before the exit
     refusal = generate_span(rx, "late-comer")
@@ -186,6 +189,8 @@ async def test_a_drain_refusal_is_a_span_of_its_own(aio_loop: Any, tmp_path: Pat
     assert refusal.event_names() == ["refused"]
     assert refusal.event("refused")["openengine.error_code"] == "ERROR_CODE_DRAINING"
     assert refusal.status == "error" and refusal.attributes["openengine.outcome"] == "rejected"
+    bare = generate_span(rx, "no-metadata")
+    assert bare is not None and bare.parent_id == "" and bare.event_names() == ["refused"]
     cut = generate_span(rx, "long")
     assert cut is not None and "cancel" in cut.event_names()
     assert cut.attributes["openengine.error_code"] == "ERROR_CODE_DRAINING"
