@@ -79,6 +79,7 @@ RUN_SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Stopping", ("--drain-timeout", "--drain-engine")),
     ("KV event bridge", ("--kv-*",)),
     ("Dynamo (the 'dynamo' extra)", ("--dynamo*",)),
+    ("Tracing", ("--otlp-*",)),
     ("Logging and configuration", ("--log-*", "--config", "--help")),
 )
 

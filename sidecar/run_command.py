@@ -72,6 +72,7 @@ from sidecar.north.limit_options import apply_limit_options, http_limits, limit_
 from sidecar.north.ws_server import WS_PATH, NorthPlane, WsConfig
 from sidecar.nursery import lone_exception
 from sidecar.openengine.client import open_engine_client
+from sidecar.tracing import TracingConfig, TracingConfigError, open_tracer, tracing_config
 
 log = logging.getLogger("sidecar.run")
 
@@ -92,14 +93,16 @@ async def serve(
     open_probes: bool = True,
     http_limits: HttpLimits | None = None,
     dynamo: DynamoConfig | None = None,
+    tracing: TracingConfig | None = None,
     task_status: trio.TaskStatus[dict[str, str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the sidecar until stopped (module doc); ``task_status.started(bound addresses)``."""
     async with (
+        open_tracer(tracing) as tracer,
         dynamo_event_loop() if dynamo is not None else contextlib.nullcontext(),
         open_engine_client(engine, keepalive=engine_keepalive(config), limits=config.engine_limits) as client,
     ):
-        sidecar = Sidecar(client, config)
+        sidecar = Sidecar(client, config, tracer=tracer)
         metrics.ENGINE_CHANNELS.set_function(
             lambda: client.generate_channel_count
         )  # this process's one client
@@ -275,7 +278,9 @@ async def _start_kv_bridge(root: trio.Nursery, sidecar: Sidecar, kv: KvBridgeCon
         return
     kv = replace(kv, dp_ranks=tuple(card.dp_ranks))
     try:
-        info = await root.start(partial(run_kv_bridge, kv, engine_client=sidecar.engine))
+        info = await root.start(
+            partial(run_kv_bridge, kv, engine_client=sidecar.engine, tracer=sidecar.tracer)
+        )
     except (KvConfigError, KvSourceError, OSError) as err:
         raise StartupError(f"KV event bridge: {err}") from None
     endpoints = [r.publish_endpoint for r in info.ranks]
@@ -498,6 +503,14 @@ async def _watchdog(interval: float) -> None:
     show_default=True,
     help="With --auth-token-file: leave /health and /ready open.",
 )
+@option(
+    "--otlp-endpoint",
+    "tracing",
+    default=None,
+    callback=lambda _ctx, _param, value: _tracing(value),
+    help="Send a trace span per stream to this OTLP/HTTP collector (http://host:4318); "
+    "OTEL_EXPORTER_OTLP_ENDPOINT works too.",
+)
 @limit_options
 @kv_bridge_options
 @dynamo_options
@@ -563,6 +576,7 @@ def run(**opts: Any) -> None:
                 open_probes=opts["open_probes"],
                 http_limits=http_limits(opts),
                 dynamo=dynamo,
+                tracing=opts["tracing"],
             )
         )
     except (StartupError, BaseExceptionGroup) as err:
@@ -570,6 +584,14 @@ def run(**opts: Any) -> None:
         if isinstance(leaf, StartupError):
             raise CommandError(str(leaf)) from None
         raise
+
+
+def _tracing(endpoint: str | None) -> TracingConfig | None:
+    """``--otlp-endpoint`` and the ``OTEL_*`` variables, checked at parse time (``sidecar.tracing``)."""
+    try:
+        return tracing_config(endpoint)
+    except TracingConfigError as err:
+        raise click.BadParameter(str(err), param_hint="--otlp-endpoint") from None
 
 
 def _tls(cert: str | None, key: str | None) -> tuple[str, str] | None:

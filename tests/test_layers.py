@@ -28,6 +28,7 @@ RANK: dict[str, int] = {
     "quoting": 0,
     "json_types": 0,
     "loopwatch": 1,
+    "tracing": 1,
     "openengine": 1,
     "version": 2,
     "core": 3,
@@ -60,6 +61,8 @@ CONFINED: dict[str, tuple[str, ...]] = {
     # the fleet benchmark's anchor is a Dynamo worker of its own (its own process, no sidecar code)
     "dynamo": ("dynamo", "bench/dynamo_anchor.py"),
     "vllm": ("engines",),
+    # traces: the SDK is loaded only when tracing is on (sidecar/tracing/otel.py)
+    "opentelemetry": ("tracing",),
 }
 
 

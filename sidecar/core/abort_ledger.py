@@ -28,11 +28,15 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import trio
 
 from sidecar.core import metrics
 from sidecar.quoting import quote
+
+if TYPE_CHECKING:
+    from sidecar.tracing.otel import StreamTrace
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +68,8 @@ class _Record:
     not_found: bool = False
     #: Dropped from the full backlog while being re-sent: forgotten when that attempt ends.
     dropped: bool = False
+    #: The stream's span (tracing on): each call of this Abort is traced under it.
+    trace: StreamTrace | None = None
 
 
 class AbortLedger:
@@ -87,6 +93,14 @@ class AbortLedger:
         record = self._records.get(request_id)
         return record.state if record is not None else None
 
+    def trace_of(self, request_id: str) -> tuple[StreamTrace, AbortState] | None:
+        """The span of the stream whose Abort this is, and where the Abort stands; None when
+        untraced (tracing off) or not under way."""
+        record = self._records.get(request_id)
+        if record is None or record.trace is None:
+            return None
+        return record.trace, record.state
+
     def backlog(self) -> list[str]:
         """Parked ids (and the one being re-sent), oldest first."""
         return list(self._backlog)
@@ -99,12 +113,13 @@ class AbortLedger:
 
     # -- transitions -----------------------------------------------------------------------
 
-    def begin(self, request_id: str, *, confirm: bool) -> None:
+    def begin(self, request_id: str, *, confirm: bool, trace: StreamTrace | None = None) -> None:
         """→ SENDING. ``confirm``: the engine sent nothing on the stream (a NOT_FOUND answer is
-        confirmed). The id must not be under way already (admission refuses it then)."""
+        confirmed). The id must not be under way already (admission refuses it then).
+        ``trace``: the stream's span (:meth:`trace_of`)."""
         if request_id in self._records:
             raise ValueError(f"the Abort of {request_id!r} is already under way")
-        self._records[request_id] = _Record(AbortState.SENDING, confirm)
+        self._records[request_id] = _Record(AbortState.SENDING, confirm, trace=trace)
 
     def answered_not_found(self, request_id: str) -> None:
         """The engine answered NOT_FOUND: remembered where it has to be confirmed."""

@@ -34,10 +34,11 @@ import random
 import secrets
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import trio
 
-from sidecar.core import metrics
+from sidecar.core import metrics, stream_spans
 from sidecar.core.abort_ledger import REDELIVER_FIRST_PAUSE, REDELIVER_MAX_PAUSE, AbortLedger
 from sidecar.core.errors import Rejection, error_code_name
 from sidecar.core.handoff import splice_kv_session
@@ -53,6 +54,9 @@ from sidecar.openengine.engine_errors import (
 )
 from sidecar.openengine.stream_rules import Violation, violation_of
 from sidecar.quoting import quote
+
+if TYPE_CHECKING:
+    from sidecar.tracing.otel import StreamTrace
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +98,11 @@ class StreamHandle:
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     cancel_reason: Outcome | None = None
     admitted_at: float = 0.0
+    #: The stream's span (``sidecar.core.stream_spans``); None with tracing off.
+    trace: StreamTrace | None = field(default=None, repr=False)
+    #: Output tokens relayed, and the last event's usage (set when the relay ends).
+    tokens_out: int = 0
+    usage: pb.Usage | None = field(default=None, repr=False)
     #: The engine stream once opened (set by the relay; read through the properties below).
     _upstream: EngineStream[pb.GenerateResponse] | None = field(default=None, repr=False)
 
@@ -111,6 +120,8 @@ class StreamHandle:
         """Cancel the stream (idempotent: the first reason wins)."""
         if self.cancel_reason is None:
             self.cancel_reason = reason
+            if self.trace is not None:
+                self.trace.event("cancel", {"openengine.message": reason.message})
         self.scope.cancel()
 
 
@@ -352,7 +363,14 @@ class StreamSupervisor:
         caller's next checkpoint.
         """
         with log_context(request_id=handle.request_id):
-            return await self._run(handle, emit)
+            if handle.trace is None:
+                return await self._run(handle, emit)
+            outcome: Outcome | None = None
+            try:
+                outcome = await self._run(handle, emit)
+                return outcome
+            finally:
+                stream_spans.ended(handle, outcome)
 
     async def _run(
         self, handle: StreamHandle, emit: Callable[[pb.GenerateResponse], Awaitable[None]]
@@ -362,12 +380,15 @@ class StreamSupervisor:
             with handle.scope:
                 await relay.run(self.engine)
         except ClientGone:
-            handle.cancel_reason = handle.cancel_reason or OUTCOME_CLIENT_GONE
+            if handle.cancel_reason is None:
+                handle.cancel(OUTCOME_CLIENT_GONE)
         finally:
             try:
                 if relay.needs_abort():
                     assert relay.stream is not None
-                    await self.abort(handle.request_id, unanswered=relay.stream.messages == 0)
+                    await self.abort(
+                        handle.request_id, unanswered=relay.stream.messages == 0, trace=handle.trace
+                    )
             finally:
                 self._release(handle)
         if relay.outcome is not None:
@@ -383,7 +404,9 @@ class StreamSupervisor:
 
     # -- abort -----------------------------------------------------------------------------
 
-    async def abort(self, request_id: str, *, unanswered: bool = False) -> None:
+    async def abort(
+        self, request_id: str, *, unanswered: bool = False, trace: StreamTrace | None = None
+    ) -> None:
         """Abort ``request_id`` on the engine: shielded, bounded, retried in the background.
 
         Returns once the first attempt is answered, or after ``abort_timeout``, whichever comes
@@ -395,6 +418,7 @@ class StreamSupervisor:
         ``unanswered``: the engine sent nothing on the stream, so a NOT_FOUND is confirmed
         (:meth:`_confirm`). Without the background (no :meth:`run_service`, or it stopped: the
         stop deadline), or for an id whose Abort is under way already, one direct attempt.
+        ``trace``: the stream's span; every call of this Abort gets a span under it.
         """
         with trio.CancelScope(shield=True):
             answered = trio.Event()
@@ -403,7 +427,9 @@ class StreamSupervisor:
                 with trio.move_on_after(self.config.abort_timeout):
                     await self._first_attempt(request_id, answered)
                 return
-            self.aborts.begin(request_id, confirm=unanswered and bool(self.config.abort_confirm_after))
+            self.aborts.begin(
+                request_id, confirm=unanswered and bool(self.config.abort_confirm_after), trace=trace
+            )
             nursery.start_soon(self._abort_in_background, request_id, answered)
             with trio.move_on_after(self.config.abort_timeout):
                 await answered.wait()
@@ -529,6 +555,26 @@ class StreamSupervisor:
         return _Try.NO_ANSWER
 
     async def _abort_once(self, request_id: str) -> str:
+        """One Abort call: its result (``aborted``, ``already_finished``, ``not_found``), or
+        :class:`_RetryableAbort` / :class:`EngineClientError`; a span when the stream had one."""
+        traced = self.aborts.trace_of(request_id)
+        if traced is None:
+            return await self._call_abort(request_id)
+        call = traced[0].abort_call(traced[1].value)
+        result = "no_answer"  # unless it ends otherwise (abort_timeout)
+        try:
+            result = await self._call_abort(request_id)
+            return result
+        except _RetryableAbort as err:
+            result = "refused" if err.answered else "no_answer"
+            raise
+        except EngineClientError:
+            result = "failed"
+            raise
+        finally:
+            call.answered(result)
+
+    async def _call_abort(self, request_id: str) -> str:
         try:
             resp = await self.engine.abort(pb.AbortRequest(request_id=request_id))
         except EngineStatusError as err:
@@ -698,9 +744,11 @@ class _Relay:
         emit, started, now = self.emit, self.handle.admitted_at, trio.current_time
         flush, sample = metrics.TOKENS_FLUSH, metrics.ITL_SAMPLE
         progress = self.progress
+        trace = self.handle.trace
         armed = idle.deadline != math.inf  # the first-event bound
-        tokens = events = 0
+        tokens = events = flushed = 0
         gap_start: float | None = None  # set at the token event that opens a sampled gap
+        ev: pb.GenerateResponse | None = None
         try:
             async for ev in stream:
                 if progress.stalled is not None:
@@ -717,10 +765,13 @@ class _Relay:
                     if events == 1:
                         gap_start = now()
                         metrics.TTFT.observe(gap_start - started)
+                        if trace is not None:
+                            trace.event("first_token")
                     elif events % sample == 0:
                         gap_start = now()
                     if tokens >= flush:
                         metrics.TOKENS.inc(tokens)
+                        flushed += tokens
                         tokens = 0
                 if armed:
                     idle.deadline = math.inf
@@ -732,3 +783,6 @@ class _Relay:
         finally:
             if tokens:
                 metrics.TOKENS.inc(tokens)
+            self.handle.tokens_out = flushed + tokens
+            if ev is not None:
+                self.handle.usage = ev.usage

@@ -87,6 +87,13 @@ GENERATE_STALLS = Counter(
 )
 DRAINING = Gauge("openengine_sidecar_draining", "1 while the sidecar drains.", registry=REGISTRY)
 READY = Gauge("openengine_sidecar_ready", "1 while /ready answers 200.", registry=REGISTRY)
+ENGINE_INFO = Gauge(
+    "openengine_sidecar_engine_info",
+    "1, labelled with the engine served (its name and P/D role) once discovered: join on"
+    " instance to split any series by role.",
+    ["engine", "role"],
+    registry=REGISTRY,
+)
 CONNECTIONS = Gauge("openengine_sidecar_connections", "Open WebSocket connections.", registry=REGISTRY)
 HEALTH_CHECKS = Counter(
     "openengine_sidecar_health_checks",

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import betterproto2
 import msgspec
 import trio
 
-from sidecar.core import metrics
+from sidecar.core import metrics, stream_spans
 from sidecar.core.admission import admit as admit_request
 from sidecar.core.card import WorkerCard, with_loras
 from sidecar.core.discovery import compare_cards, discover, fetch_loras
@@ -36,6 +38,9 @@ from sidecar.openengine.client import EngineClient, Keepalive
 from sidecar.openengine.engine_errors import EngineClientError, EngineStatusError
 from sidecar.openengine.message_limits import EngineLimits, run_sized
 from sidecar.quoting import quote
+
+if TYPE_CHECKING:
+    from sidecar.tracing.otel import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -110,11 +115,15 @@ class StartupError(Exception):
 class Sidecar:
     """Core state of one sidecar (see module doc). Create, then ``startup()``, then services."""
 
-    def __init__(self, engine: EngineClient, config: SidecarConfig | None = None) -> None:
+    def __init__(
+        self, engine: EngineClient, config: SidecarConfig | None = None, *, tracer: Tracer | None = None
+    ) -> None:
         from sidecar.core.card import LoadTracker
 
         self.engine = engine
         self.config = config or SidecarConfig()
+        #: Spans of every stream (``run --otlp-endpoint``); None: tracing off, nothing done.
+        self.tracer = tracer
         self.supervisor = StreamSupervisor(engine, self.config.lifecycle)
         self.lane = EngineCallLane(
             self.config.client_engine_calls, self.config.client_engine_calls_per_connection
@@ -202,7 +211,12 @@ class Sidecar:
     @card.setter
     def card(self, card: WorkerCard | None) -> None:
         if card is not self._card:
-            self._card = card
+            old, self._card = self._card, card
+            if card is not None and (
+                old is None or (old.engine.name, old.role) != (card.engine.name, card.role)
+            ):
+                metrics.ENGINE_INFO.clear()
+                metrics.ENGINE_INFO.labels(card.engine.name, card.role).set(1)
             self._notify_change()
 
     def set_kv_publish_endpoints(self, endpoints: list[str]) -> None:
@@ -238,15 +252,28 @@ class Sidecar:
         self, request: pb.GenerateRequest, metadata: dict[str, str], *, kv_session_bytes: bytes | None = None
     ) -> StreamHandle:
         """Admission before the engine; raises :class:`Rejection`. See ``sidecar.core.admission``;
-        ``kv_session_bytes``: :meth:`StreamSupervisor.admit`."""
-        self.supervisor.refuse_if_draining()  # first: DRAINING, not "engine not ready: draining"
-        reason = self._admission_problem()
-        if reason is not None or self.card is None:
-            raise Rejection(pb.ErrorCode.INTERNAL, f"engine not ready: {reason}", True)
-        admitted = admit_request(request, metadata, self.card)
-        return self.supervisor.admit(
-            admitted.request, admitted.metadata_pairs, kv_session_bytes=kv_session_bytes
-        )
+        ``kv_session_bytes``: :meth:`StreamSupervisor.admit`. With :attr:`tracer`, the stream's
+        span starts here (``sidecar.core.stream_spans``), a refused request's ends here."""
+        tracer = self.tracer
+        start_ns = time.time_ns() if tracer is not None else 0
+        try:
+            self.supervisor.refuse_if_draining()  # first: DRAINING, not "engine not ready: draining"
+            reason = self._admission_problem()
+            card = self.card
+            if reason is not None or card is None:
+                raise Rejection(pb.ErrorCode.INTERNAL, f"engine not ready: {reason}", True)
+            admitted = admit_request(request, metadata, card)
+            handle = self.supervisor.admit(
+                admitted.request, admitted.metadata_pairs, kv_session_bytes=kv_session_bytes
+            )
+        except Rejection as rejection:
+            if tracer is not None:
+                role = self.card.role if self.card is not None else None
+                stream_spans.refused(tracer, request, metadata, rejection, role, start_ns)
+            raise
+        if tracer is not None:
+            stream_spans.admitted(tracer, handle, admitted, card.role, start_ns)
+        return handle
 
     async def run_stream(
         self, handle: StreamHandle, emit: Callable[[pb.GenerateResponse], Awaitable[None]]

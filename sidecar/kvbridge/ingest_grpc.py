@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
@@ -36,6 +36,7 @@ from sidecar.kvbridge.ingest_limits import IngestLimits
 from sidecar.kvbridge.metrics import RankMetrics
 from sidecar.kvbridge.sequencer import Clear, Duplicate, Emit, GrpcAction, GrpcSequencer, Reason, Resubscribe
 from sidecar.kvbridge.sources import GrpcSource
+from sidecar.kvbridge.spans import KvSpans
 from sidecar.openengine import pb
 from sidecar.openengine.engine_errors import (
     EngineClientError,
@@ -44,6 +45,9 @@ from sidecar.openengine.engine_errors import (
     EngineTerminalError,
 )
 from sidecar.quoting import clip
+
+if TYPE_CHECKING:
+    from sidecar.tracing.otel import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +77,7 @@ class GrpcIngest:
         backoff_max: float = 5.0,
         limits: IngestLimits | None = None,
         cleared: bool = False,
+        tracer: Tracer | None = None,
     ) -> None:
         self.client = client
         self.limits = limits or IngestLimits()
@@ -81,6 +86,7 @@ class GrpcIngest:
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
         self.metrics = RankMetrics(source.rank)
+        self.spans = KvSpans(tracer, source.rank, "grpc")
         self.sequencer: GrpcSequencer[pb.KvEventBatch] = GrpcSequencer(cleared=cleared)
         self._snapshot_refused = False
         self._rank_warned = False
@@ -91,12 +97,15 @@ class GrpcIngest:
         seqr = self.sequencer
         m = self.metrics
         delay = self.backoff_initial
+        missing = 0  # numbers a gap skipped (the resumed subscription's span says)
         task_status.started()
         while True:
             start, snapshot = seqr.request()
             if snapshot and self._snapshot_refused:
                 snapshot = False
             resuming = start > 0 and not snapshot
+            replay = self.spans.replay(start, missing) if resuming else None
+            missing = 0
             req = pb.SubscribeKvEventsRequest(
                 data_parallel_ranks=[rank], include_snapshot=snapshot, start_sequence_number=start
             )
@@ -112,7 +121,10 @@ class GrpcIngest:
                         if batch is None:
                             continue
                         if first and resuming:
-                            m.replay("ok" if batch.sequence_number == start else "failed")
+                            result = "ok" if batch.sequence_number == start else "failed"
+                            m.replay(result)
+                            self.spans.replayed(replay, result, 1)
+                            replay = None
                         first = False
                         if batch.data_parallel_rank != rank and not self._rank_warned:
                             self._rank_warned = True
@@ -121,8 +133,10 @@ class GrpcIngest:
                                 rank,
                                 batch.data_parallel_rank,
                             )
+                        expected = seqr.next_seq or 0
                         outcome = await self._apply(seqr.on_batch(batch.sequence_number, batch))
                         if outcome is not None:
+                            missing = max(0, batch.sequence_number - expected) if outcome.gap else 0
                             break
                         delay = self.backoff_initial
                 log.info("KV rank %d: KV event stream ended", rank)
@@ -144,6 +158,7 @@ class GrpcIngest:
                 log.warning("KV rank %d: KV event subscription failed: %s", rank, err)
             except EngineClientError as err:  # unavailable, protocol error: retry
                 log.warning("KV rank %d: KV event subscription lost: %s", rank, err)
+            self.spans.replayed(replay, "failed", 0)  # still open: it never delivered
             if outcome is not None:
                 if outcome.gap:
                     m.gaps.inc()
@@ -182,6 +197,7 @@ class GrpcIngest:
                 m.duplicates.inc()
             elif type(a) is Clear:
                 m.resync(a.reason)
+                self.spans.resync(a.reason)
                 log.warning("KV rank %d: publishing AllBlocksCleared (%s)", rank, a.reason)
                 await self.out.send([self.cleared()])
             elif type(a) is Resubscribe:

@@ -33,6 +33,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import trio
 import zmq
@@ -45,8 +46,12 @@ from sidecar.kvbridge.metrics import RankMetrics
 from sidecar.kvbridge.replay import parse_upstream_reply, seq_bytes
 from sidecar.kvbridge.sequencer import Action, Clear, Duplicate, Emit, Reason, Replay, ZmqSequencer
 from sidecar.kvbridge.sources import ZmqSource
+from sidecar.kvbridge.spans import KvSpans
 from sidecar.kvbridge.zmqio import recv_multipart, recv_some
 from sidecar.quoting import clip
+
+if TYPE_CHECKING:
+    from sidecar.tracing.otel import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +72,7 @@ class ZmqIngest:
         cleared: bool = False,
         zmq_heartbeat: float = 0.0,
         silence_probe: float = 0.0,
+        tracer: Tracer | None = None,
     ) -> None:
         self.ctx = ctx
         self.source = source
@@ -78,6 +84,7 @@ class ZmqIngest:
         self.zmq_heartbeat = zmq_heartbeat
         self.silence_probe = silence_probe
         self.metrics = RankMetrics(source.rank)
+        self.spans = KvSpans(tracer, source.rank, "zmq")
         self.sequencer: ZmqSequencer[bytes] = ZmqSequencer(
             can_replay=source.replay_endpoint is not None, cleared=cleared
         )
@@ -246,6 +253,7 @@ class ZmqIngest:
                 m.duplicates.inc()
             elif type(a) is Clear:
                 m.resync(a.reason)
+                self.spans.resync(a.reason)
                 log.warning("KV rank %d: publishing AllBlocksCleared (%s)", rank, a.reason)
                 out.append(self.cleared(actions))
             elif type(a) is Replay:
@@ -255,16 +263,17 @@ class ZmqIngest:
                     m.gaps.inc()
                     log.info("KV rank %d: gap of %d batches, replaying from %d", rank, a.missing, a.start)
                 self.over_limit = False
+                span = self.spans.replay(a.start, a.missing)
                 items = await self._replay(a.start)
                 if items is not None:
-                    m.replay("ok")
-                    actions = self.sequencer.on_replay(items)
+                    outcome, actions = "ok", self.sequencer.on_replay(items)
                 elif self.over_limit:  # the engine's history is more than we take: lost
-                    m.replay("over_limit")
+                    outcome = "over_limit"
                     actions = self.sequencer.on_replay(None, failure=Reason.HISTORY_LOST)
                 else:
-                    m.replay("failed")
-                    actions = self.sequencer.on_replay(None)
+                    outcome, actions = "failed", self.sequencer.on_replay(None)
+                m.replay(outcome)
+                self.spans.replayed(span, outcome, len(items or ()))
                 out = await self._apply(actions, out)
         return out
 

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 import zmq
@@ -40,6 +40,9 @@ from sidecar.kvbridge.zmqio import rank_endpoint
 from sidecar.nursery import open_background_nursery
 from sidecar.openengine import pb
 from sidecar.openengine.engine_errors import EngineClientError
+
+if TYPE_CHECKING:
+    from sidecar.tracing.otel import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -214,13 +217,15 @@ async def run_kv_bridge(
     *,
     engine_client: KvEventClient | None = None,
     sources: Sequence[KvSource] | None = None,
+    tracer: Tracer | None = None,
     task_status: trio.TaskStatus[KvBridgeInfo] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the bridge until cancelled: ``await nursery.start(partial(run_kv_bridge, config, engine_client=c))``.
 
     ``sources``: the per-rank sources to use; ``None`` discovers them through
     ``engine_client.get_kv_event_sources`` (:func:`discover_sources`). ``engine_client`` is
-    also what ``grpc`` sources subscribe through. Reports :class:`KvBridgeInfo` once every
+    also what ``grpc`` sources subscribe through. ``tracer``: replays and resyncs become spans
+    (``sidecar.kvbridge.spans``). Reports :class:`KvBridgeInfo` once every
     PUB/ROUTER socket is bound and every ingest started.
 
     Raises (before reporting): :class:`KvConfigError` / :class:`KvSourceError` for bad
@@ -282,6 +287,7 @@ async def run_kv_bridge(
                         limits=config.ingest_limits,
                         zmq_heartbeat=config.zmq_heartbeat,
                         silence_probe=config.silence_probe,
+                        tracer=tracer,
                     )
                     source_ep: str | None = src.endpoint
                 else:
@@ -294,6 +300,7 @@ async def run_kv_bridge(
                         backoff_initial=config.backoff_initial,
                         backoff_max=config.backoff_max,
                         limits=config.ingest_limits,
+                        tracer=tracer,
                     )
                     source_ep = None
                 nursery.start_soon(_supervise, make, src.rank, send, config.backoff_max)

@@ -72,6 +72,7 @@ SPECIAL = {
     ("sglang-engine", "--listen"): "ftp://x",
     ("sglang-engine", "--ready-file"): "/nonexistent-dir/ready.json",
     ("run", "--dynamo-model-path"): "/nonexistent-dir/model",
+    ("run", "--otlp-endpoint"): "ftp://x",
     ("run", "--tls-cert"): "/nonexistent.pem",
     ("run", "--tls-key"): "/nonexistent.pem",
     ("bench", "--out"): f"{__file__}/under-a-file/out.json",

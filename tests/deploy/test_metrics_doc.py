@@ -17,6 +17,7 @@ MODULES = (
     "sidecar.kvbridge.metrics",
     "sidecar.dynamo.metrics",
     "sidecar.loopwatch",
+    "sidecar.tracing",
 )
 
 

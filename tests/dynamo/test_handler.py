@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import trio
 import trio_asyncio
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from sidecar.core.lifecycle import OUTCOME_COMPLETED, Outcome, StreamHandle
 from sidecar.core.sidecar import Sidecar, SidecarConfig
@@ -25,6 +26,8 @@ from sidecar.dynamo.handler import StreamBridge
 from sidecar.mock import tokenizer as tok
 from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
+from sidecar.tracing import TracingConfig
+from sidecar.tracing.otel import Tracer, build_tracer
 from tests.dynamo.test_aio_batch import pass_counter
 from tests.dynamo.test_mapping import dynamo_request
 from tests.mock_engines import InProcessEngine, mock_engine_in_process
@@ -34,15 +37,16 @@ from tests.polling import eventually
 class FakeContext:
     """Dynamo's request context: id, trace headers, and the stop/kill signal."""
 
-    def __init__(self, rid: str) -> None:
+    def __init__(self, rid: str, trace: dict[str, str] | None = None) -> None:
         self.rid = rid
+        self.trace = trace
         self.future: asyncio.Future[bool] | None = None
 
     def id(self) -> str:
         return self.rid
 
     def trace_headers(self) -> dict[str, str] | None:
-        return None
+        return self.trace
 
     def async_killed_or_stopped(self) -> asyncio.Future[bool]:
         self.future = asyncio.get_running_loop().create_future()
@@ -55,14 +59,14 @@ class FakeContext:
 
 @asynccontextmanager
 async def bridge(
-    aio_loop: Any, buffer: int = 64, **engine: Any
+    aio_loop: Any, buffer: int = 64, tracer: Tracer | None = None, **engine: Any
 ) -> AsyncIterator[tuple[StreamBridge, InProcessEngine]]:
     async with (
         mock_engine_in_process(**engine) as eng,
         open_engine_client(eng.address) as client,
         trio.open_nursery() as nursery,
     ):
-        sidecar = Sidecar(client, SidecarConfig())
+        sidecar = Sidecar(client, SidecarConfig(), tracer=tracer)
         await sidecar.startup()
         await nursery.start(sidecar.supervisor.run_service)
         b = StreamBridge(sidecar, aio_loop, buffer=buffer)
@@ -194,6 +198,33 @@ async def test_a_generator_finalised_outside_trio_still_cancels_its_stream(
             assert cancelled_in == [threading.main_thread()]
             assert c["aborts_received_by_id"] == {how: 1} and c["requests_leaked"] == 0
             assert b.active == 0
+
+
+async def test_a_dynamo_request_is_traced_under_its_context(aio_loop: Any) -> None:
+    """Dynamo mode: the request context's ``traceparent`` is the parent of the stream's span,
+    which carries the routed DP rank; a stop shows as a cancel and an Abort span under it."""
+    exporter = InMemorySpanExporter()
+    tracer = build_tracer(TracingConfig(None), exporter=exporter)
+    parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    with trio.fail_after(20):
+        async with bridge(aio_loop, tracer=tracer, token_delay_ms=20.0) as (b, eng):
+            req = dynamo_request(
+                stop_conditions={"max_tokens": 1000, "ignore_eos": True}, routing={"dp_rank": 0}
+            )
+            await collect(b, req, FakeContext("traced", {"traceparent": parent}), stop_after=3)
+            await wait_idle(eng, b)
+    tracer.shutdown()
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    generate, abort = spans["generate"], spans["Abort"]
+    assert generate.parent is not None and generate.context is not None
+    assert (generate.context.trace_id, generate.parent.span_id) == (
+        0x4BF92F3577B34DA6A3CE929D0E0E4736,
+        0x00F067AA0BA902B7,
+    )
+    assert dict(generate.attributes or {})["openengine.dp_rank"] == 0
+    assert dict(generate.attributes or {})["openengine.outcome"] == "cancelled"
+    assert [e.name for e in generate.events][:3] == ["admitted", "first_token", "cancel"]
+    assert abort.parent is not None and abort.parent.span_id == generate.context.span_id
 
 
 async def test_rejection_raises_before_the_engine(aio_loop: Any) -> None:

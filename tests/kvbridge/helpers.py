@@ -15,7 +15,12 @@ CLEARED = {"type": "AllBlocksCleared"}
 
 
 async def start_bridge(
-    nursery: trio.Nursery, sources: Sequence[KvSource] | None = None, *, client: Any = None, **cfg: Any
+    nursery: trio.Nursery,
+    sources: Sequence[KvSource] | None = None,
+    *,
+    client: Any = None,
+    tracer: Any = None,
+    **cfg: Any,
 ) -> KvBridgeInfo:
     cfg.setdefault("publish_endpoint", "tcp://127.0.0.1:0")
     cfg.setdefault("replay_endpoint", "tcp://127.0.0.1:0")
@@ -24,7 +29,7 @@ async def start_bridge(
     cfg.setdefault("backoff_max", 0.05)
     config = KvBridgeConfig(**cfg)
     info: KvBridgeInfo = await nursery.start(
-        partial(run_kv_bridge, config, engine_client=client, sources=sources)
+        partial(run_kv_bridge, config, engine_client=client, sources=sources, tracer=tracer)
     )
     return info
 
