@@ -319,7 +319,7 @@ async def test_admit_sends_the_client_session_bytes_verbatim(supervisor: StreamS
 
 async def test_aborts_in_flight_are_bounded(server: RunningServer, supervisor: StreamSupervisor) -> None:
     """A mass disconnect queues its Aborts: at most max_concurrent_aborts reach the engine at once."""
-    supervisor._abort_slots.total_tokens = 2
+    supervisor.sender._abort_slots.total_tokens = 2
     gate = Gate()
     in_flight = 0
     peak = 0
@@ -390,15 +390,15 @@ async def test_queued_abort_is_not_counted_as_a_retry(
     background retrier, which sends it once a slot frees: not counted in abort_retries."""
     from sidecar.metrics_registry import REGISTRY
 
-    supervisor._abort_slots.total_tokens = 1
+    supervisor.sender._abort_slots.total_tokens = 1
     supervisor.config.abort_timeout = 0.2
     holder = object()
-    await supervisor._abort_slots.acquire_on_behalf_of(holder)  # every slot busy
+    await supervisor.sender._abort_slots.acquire_on_behalf_of(holder)  # every slot busy
     retries_before = REGISTRY.get_sample_value("openengine_sidecar_abort_retries_total") or 0.0
     with trio.fail_after(10):
         await supervisor.abort("queued")  # no slot within abort_timeout: handed off
         assert aborts(server) == []
-        supervisor._abort_slots.release_on_behalf_of(holder)
+        supervisor.sender._abort_slots.release_on_behalf_of(holder)
         await eventually(lambda: aborts(server))  # the engine is in another event loop
     assert aborts(server) == ["queued"]
     retries = (REGISTRY.get_sample_value("openengine_sidecar_abort_retries_total") or 0.0) - retries_before

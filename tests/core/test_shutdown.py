@@ -388,7 +388,7 @@ async def test_a_stream_ending_after_the_service_stopped_still_gets_its_abort(au
                 await nursery.start(sidecar.supervisor.run_service)
                 outcomes = await run_streams(sidecar, streams, "late")
                 service.cancel()
-        assert sidecar.supervisor._retry_nursery is None
+        assert not sidecar.supervisor.sender.serving
         t0 = trio.current_time()
         sidecar.supervisor.cancel_all(Outcome(CANCELLED, pb.ErrorCode.CANCELLED, "stopping"))
     assert trio.current_time() - t0 <= ABORT
