@@ -182,7 +182,7 @@ def has_data(result: list[dict[str, Any]]) -> bool:
     return any(not math.isnan(float(r["value"][1])) for r in result)
 
 
-@pytest.mark.slow
+@pytest.mark.subprocess
 async def test_a_real_prometheus_answers_every_panel_with_data(aio_loop: Any, tmp_path: Path) -> None:
     """The simulated engine makes every kind of series appear: requests registered late (so an
     immediately cancelled stream's Abort is confirmed), a KV event gap (replayed) and lost KV

@@ -28,8 +28,6 @@ from tests.e2e.harness import (
 from tests.e2e.test_disagg import PROMPT, SIDECAR_ARGS, recent
 from tests.otlp_receiver import Receiver, Span, otlp_receiver
 
-pytestmark = pytest.mark.slow
-
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{TRACE_ID}-{CLIENT_SPAN}-01"
