@@ -8,13 +8,12 @@ reason. Every flag also reads ``OPENENGINE_SIDECAR_VLLM_<FLAG>``. Logs one line 
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import click
 
-from sidecar.cli_options import HostName, NewFile, command_option, env_name
-from sidecar.engines.common.command import check_listen, check_model_dir, require_extra, run_until_signal
+from sidecar.cli_options import command_option, env_name
+from sidecar.engines.common.command import adapter_options, prepare_model, run_until_signal
 from sidecar.engines.vllm.config import VllmSettings
 
 ENV_PREFIX = env_name("--", "vllm-engine")[:-1]  # OPENENGINE_SIDECAR_VLLM_
@@ -29,22 +28,7 @@ def _block_size(_ctx: click.Context, _param: click.Parameter, value: int | None)
 
 
 @click.command("vllm-engine")
-@_opt(
-    "--model", required=True, type=click.Path(file_okay=False, path_type=Path), help="Local model directory."
-)
-@_opt(
-    "--build-tiny-model",
-    is_flag=True,
-    help="First build a tiny random-weight Llama in --model unless one is there (sidecar.engines.vllm.tiny_model).",
-)
-@_opt(
-    "--listen",
-    default="127.0.0.1:50051",
-    show_default=True,
-    callback=check_listen,
-    help="HOST:PORT or unix:///PATH.",
-)
-@_opt("--served-model-name", "served_model_names", multiple=True, help="Served name; repeat for aliases.")
+@adapter_options("vllm-engine", "vLLM")
 @_opt("--dtype", default="auto", show_default=True, help="vLLM --dtype (the tiny model is float32).")
 @_opt("--block-size", type=click.IntRange(32), callback=_block_size, help="KV block size (multiple of 32).")
 @_opt("--max-model-len", type=click.IntRange(2), help="Context length (default: the model's).")
@@ -66,46 +50,9 @@ def _block_size(_ctx: click.Context, _param: click.Parameter, value: int | None)
     show_default=True,
     help="vLLM scheduler policy (priority: requests' priority is honoured).",
 )
-@_opt(
-    "--max-logprobs", type=click.IntRange(0), default=20, show_default=True, help="Most logprobs per token."
-)
-@_opt("--seed", type=int, default=0, show_default=True, help="Engine-wide generation seed.")
-@_opt("--kv-events/--no-kv-events", default=True, show_default=True, help="vLLM's ZMQ KV event publisher.")
-@_opt(
-    "--kv-host",
-    type=HostName(empty_ok=True),
-    default="",
-    help="Routable host advertised for the KV publisher (default: the listen host).",
-)
-@_opt("--kv-port", type=click.IntRange(0, 65535), default=0, show_default=True, help="0 = any free port.")
-@_opt(
-    "--kv-replay-port", type=click.IntRange(0, 65535), default=0, show_default=True, help="0 = any free port."
-)
-@_opt("--kv-topic", default="", help="ZMQ topic of the KV events.")
-@_opt("--kv-buffer-steps", type=click.IntRange(1), default=10_000, show_default=True, help="Replay buffer.")
-@_opt("--instance-id", default="", help="Instance id to report (default: derived from the listen address).")
-@_opt(
-    "--ready-file",
-    type=NewFile(allow_dash=True),
-    default=None,
-    help="Write serving info (JSON) here once serving; '-' = stdout.",
-)
 def vllm_engine(**kw: Any) -> None:
     """Serve stock vLLM (CPU build) as an OpenEngine v1 engine."""
-    model: Path = kw.pop("model")
-    build = kw.pop("build_tiny_model")
-    if not build:
-        check_model_dir(model)  # a usage error whether or not the extra is installed
-    require_extra("vllm", EXTRA_MISSING)
-    if build:
-        from sidecar.engines.vllm.tiny_model import build_tiny_model
-
-        try:
-            build_tiny_model(model)
-        except FileExistsError as err:
-            raise click.BadParameter(str(err), param_hint="--model") from None
-        check_model_dir(model)
-    ready_file = kw.pop("ready_file")
+    model, ready_file = prepare_model(kw, "vllm", EXTRA_MISSING)
     settings = VllmSettings(model=str(model), served_model_names=tuple(kw.pop("served_model_names")), **kw)
 
     from sidecar.engines.vllm.app import serve_vllm
