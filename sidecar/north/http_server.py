@@ -67,6 +67,8 @@ class HttpLimits:
     #: Open connections in total and per peer address (0: no limit; see http_connections).
     max_connections: int = 128
     max_connections_per_peer: int = 16
+    #: Before the connection limits' names (``limit`` label of the refusals): ``http_``, ``openai_``.
+    prefix: str = "http_"
 
 
 def _limit_headers(app: ASGIApp, max_bytes: int) -> ASGIApp:
@@ -87,7 +89,9 @@ def _limit_headers(app: ASGIApp, max_bytes: int) -> ASGIApp:
 
 def _config(bind: str, certfile: str | None, keyfile: str | None, limits: HttpLimits) -> HypercornConfig:
     config = HypercornConfig()
-    config.connections = HttpConnections(limits.max_connections, limits.max_connections_per_peer)
+    config.connections = HttpConnections(
+        limits.max_connections, limits.max_connections_per_peer, prefix=limits.prefix
+    )
     config.bind = [bind]
     config.accesslog = None
     config.errorlog = None
