@@ -106,7 +106,7 @@ class GieCollector(Collector):
                     family = GaugeMetricFamily(name, doc, labels=labels)
                     family.add_metric(values, float(value))
                     yield family
-        yield self._lora(card, host, labels, values)
+        yield self._lora(card, host)
         cap = card.capacity
         if cap is not None and cap.kv_block_size:
             family = GaugeMetricFamily(
