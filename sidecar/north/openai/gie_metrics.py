@@ -110,9 +110,9 @@ class GieCollector(Collector):
         cap = card.capacity
         if cap is not None and cap.kv_block_size:
             family = GaugeMetricFamily(
-                CACHE_CONFIG, "KV cache configuration.", labels=["block_size", "num_gpu_blocks", *labels]
+                CACHE_CONFIG, "KV cache configuration.", labels=["block_size", "num_gpu_blocks", "engine"]
             )
-            family.add_metric([str(cap.kv_block_size), str(cap.total_kv_blocks or 0), *values], 1.0)
+            family.add_metric([str(cap.kv_block_size), str(cap.total_kv_blocks or 0), "0"], 1.0)
             yield family
 
     @staticmethod
