@@ -23,7 +23,7 @@ import pytest
 import trio
 import trustme
 
-from sidecar.childproc import loopback_run_args
+from sidecar.childproc import OPENAI_READY, loopback_run_args
 from sidecar.client.sidecar_client import open_sidecar
 from sidecar.mock.tokenizer import CHAT_TEMPLATE
 from tests.e2e.harness import (
@@ -40,7 +40,6 @@ from tests.e2e.harness import (
 pytestmark = pytest.mark.slow
 
 MODEL = "Qwen/Qwen3-0.6B"
-OPENAI_READY = re.compile(r"OpenAI-compatible API on (https?://\S+)")
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 

@@ -20,8 +20,8 @@ import openai
 import pytest
 import trio
 
+from sidecar.childproc import OPENAI_READY
 from tests.e2e.harness import sidecar
-from tests.e2e.test_openai import OPENAI_READY
 from tests.vllm.harness import MODEL, VllmProc, VllmServe, start_vllm_serve
 
 PROMPT = "Bakeno dafi, and the bakeno is"
