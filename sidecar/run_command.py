@@ -251,12 +251,13 @@ async def _start_openai(
 
 def _openai_limits(http: HttpLimits, ws: WsConfig) -> HttpLimits:
     """The OpenAI listener's limits: the HTTP listener's headers and timeouts, the WebSocket
-    listener's connection counts (both serve clients' streams)."""
+    listener's connection counts and stall timeout (both serve clients' streams)."""
     return replace(
         http,
         max_connections=fit_to_fd_limit(ws.max_connections),
         max_connections_per_peer=ws.max_connections_per_peer,
         prefix="openai_",
+        write_timeout=ws.stall_timeout,
     )
 
 

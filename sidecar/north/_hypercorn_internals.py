@@ -33,7 +33,7 @@ import hypercorn.trio.run
 import hypercorn.trio.tcp_server
 import trio
 from hypercorn.config import Config, Sockets
-from hypercorn.events import Closed, Event, Updated
+from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol import ProtocolWrapper
 from hypercorn.protocol.h11 import H2ProtocolAssumedError, H11Protocol
 from hypercorn.trio.run import worker_serve
@@ -110,14 +110,19 @@ def describe_failure(exc: BaseException) -> str:
 
 
 class HypercornConfig(Config):
-    """hypercorn's config, plus the listener's connection table (read by :class:`CountedServer`)."""
+    """hypercorn's config, plus the listener's connection table and write timeout (read by
+    :class:`CountedServer`)."""
 
     connections: HttpConnections | None = None
+    #: A write the client has taken nothing of for this long closes the connection (None: never).
+    write_timeout: float | None = None
 
 
 class CountedServer(TCPServer):
     """One accepted connection, counted in the listener's :class:`HttpConnections` from the
-    accept (before a TLS handshake) to the close; its requests mark it busy, their ends idle."""
+    accept (before a TLS handshake) to the close; its requests mark it busy, their ends idle.
+    With the config's ``write_timeout``, a write still waiting for the client after it closes
+    the connection (the app sees ``http.disconnect``): hypercorn's own writes wait forever."""
 
     async def run(self) -> None:
         table: HttpConnections | None = getattr(self.config, "connections", None)
@@ -139,7 +144,26 @@ class CountedServer(TCPServer):
         table: HttpConnections | None = getattr(self.config, "connections", None)
         if table is not None and isinstance(event, Updated):
             table.busy(self, not event.idle)
-        await super().protocol_send(event)
+        timeout: float | None = getattr(self.config, "write_timeout", None)
+        if timeout is None or not isinstance(event, RawData):
+            await super().protocol_send(event)
+            return
+        async with self.send_lock:
+            # as hypercorn's: never cut by the caller's cancellation (a partial write would
+            # garble the connection), but bounded by its own deadline
+            with trio.CancelScope(shield=True, deadline=trio.current_time() + timeout) as scope:
+                try:
+                    await self.stream.send_all(event.data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    await self.protocol.handle(Closed())
+                    return
+        if scope.cancelled_caught:
+            peer = getattr(self, "peer", None)
+            log.warning(
+                "client %s took nothing for %.0fs: connection closed", peer.address if peer else "?", timeout
+            )
+            await trio.aclose_forcefully(self.stream)
+            await self.protocol.handle(Closed())
 
 
 class Http11Only(H11Protocol):

@@ -146,13 +146,12 @@ def apply_limit_options(values: Mapping[str, Any], ws: WsConfig, config: Sidecar
 def openai_config(values: Mapping[str, Any], ws: WsConfig) -> OpenAIConfig:
     """The OpenAI front's settings from ``run``'s flags and the WebSocket plane's limits (set by
     :func:`apply_limit_options` first): the body is bounded like a WebSocket message, must
-    arrive within the handshake timeout, and a client reading nothing for ``--stall-timeout``
-    is disconnected; open requests per client address are the WebSocket streams' share."""
+    arrive within the handshake timeout; open requests per client address are the WebSocket
+    streams' share (the listener's stall timeout: ``run_command._openai_limits``)."""
     return OpenAIConfig(
         auth_token=ws.auth_token,
         max_body_bytes=ws.max_message_size,
         body_timeout=ws.handshake_timeout,
-        stall_timeout=ws.stall_timeout,
         max_streams_per_peer=ws.max_streams_per_peer,
         chat_template=values["chat_template"],
     )

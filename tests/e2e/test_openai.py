@@ -9,6 +9,7 @@ answers new requests 503; the GIE gauges on the front's own ``/metrics``; TLS an
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import ssl
@@ -312,3 +313,28 @@ async def test_tls_and_a_bearer_token(aio_loop: Any, tmp_path: Path) -> None:
                 with pytest.raises(openai.AuthenticationError):
                     await client(url, api_key="wrong", http_client=http).models.list()
                 assert (await http.get(url.removesuffix("/v1") + "/metrics")).status_code == 401
+
+
+async def test_a_client_that_stops_reading_is_let_go_after_the_stall_timeout(
+    aio_loop: Any, tmp_path: Path
+) -> None:
+    """A raw socket that sends a streamed request and never reads: once the sidecar's writes
+    wait ``--stall-timeout``, the stream is cancelled and aborted in the engine."""
+    rid = "oai-stalls-1"
+    with trio.fail_after(60):
+        engine_args = ("--fast", "--max-output-tokens", "1000000", "--max-context-length", "1000010")
+        async with front(tmp_path, *engine_args, sidecar_args=("--stall-timeout", "1")) as (engine, sc, url):
+            host, port = url.removeprefix("http://").removesuffix("/v1").rsplit(":", 1)
+            fields = {"model": MODEL, "prompt": "x", "max_tokens": 500000, "stream": True, "ignore_eos": True}
+            body = json.dumps(fields).encode()
+            head = (
+                f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+                f"x-request-id: {rid}\r\ncontent-length: {len(body)}\r\n\r\n"
+            ).encode()
+            stream = await trio.open_tcp_stream(host, int(port))
+            await stream.send_all(head + body)
+            await sc.proc.wait_for_line(re.compile("took nothing for 1s: connection closed"))
+            counters = await eventually(lambda: counters_once_aborted(engine.address, [rid]), 10)
+            assert counters["aborts_received_by_id"][rid] == 1
+            await stream.aclose()
+            await wait_engine_idle(engine.address)

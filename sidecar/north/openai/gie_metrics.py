@@ -121,8 +121,7 @@ class GieCollector(Collector):
         waiting: list[str] = []
         for handle in list(host.supervisor.streams.values()):
             name = handle.request.lora_name
-            upstream = handle._upstream
-            if name and (upstream is None or upstream.messages == 0) and name not in waiting:
+            if name and not handle.started and name not in waiting:
                 waiting.append(name)
         max_lora = card.capacity.max_loras if card.capacity is not None else None
         family = GaugeMetricFamily(

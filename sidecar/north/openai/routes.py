@@ -10,9 +10,11 @@ the worker card — what the engine did not advertise never reaches it), then ru
   event is still an HTTP error status (``api_errors``); after that, a failure is an SSE error
   event. The request id (``X-Request-Id`` if the client gave one, else the sidecar's) is the
   ``X-Request-Id`` response header and part of the response ``id``;
-- a client that disconnects (ASGI ``http.disconnect``, watched by a task beside the stream) or
-  that reads nothing for ``stall_timeout`` while a write waits cancels the stream: the engine
-  stream is closed and its ``Abort`` sent by the lifecycle, as for every plane;
+- a client that disconnects (ASGI ``http.disconnect``, watched by a task beside the stream) —
+  also one the listener disconnected because it took nothing of a write for
+  ``--stall-timeout`` (``HttpLimits.write_timeout``) — cancels the stream: the engine stream is
+  closed and its ``Abort`` sent by the lifecycle, as for every plane. Events that arrived
+  together leave in one write;
 - drain: admission answers ``DRAINING`` (503, ``Retry-After``) while admitted requests finish;
   :meth:`OpenAIFront.close` makes every new request 503 and :meth:`OpenAIFront.wait_idle`
   returns once the last response has been written.
@@ -38,7 +40,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sidecar.core.card import WorkerCard
 from sidecar.core.errors import Rejection
@@ -79,12 +81,11 @@ class OpenAIHost(gie_metrics.MetricsHost, Protocol):
 @dataclass
 class OpenAIConfig:
     """The front's limits (``run`` flags: ``--max-message-size``, ``--handshake-timeout``,
-    ``--stall-timeout``, ``--peer-stream-share``, ``--auth-token-file``, ``--chat-template``)."""
+    ``--peer-stream-share``, ``--auth-token-file``, ``--chat-template``)."""
 
     auth_token: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
     body_timeout: float = 10.0
-    stall_timeout: float = 30.0
     max_streams_per_peer: int = 0
     chat_template: str | None = None
 
@@ -172,7 +173,24 @@ class OpenAIFront:
 
     # -- the app ---------------------------------------------------------------------------
 
-    def app(self) -> Starlette:
+    def app(self) -> ASGIApp:
+        """The ASGI app: the generation endpoints directly (no middleware on their path, their
+        errors are answered by the endpoints themselves), everything else through Starlette."""
+        routed = self._routed()
+        completions, chat = self._completions, self._chat
+
+        async def app(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] == "http" and scope["method"] == "POST":
+                path = scope["path"]
+                if path == "/v1/completions":
+                    return await completions(scope, receive, send)
+                if path == "/v1/chat/completions":
+                    return await chat(scope, receive, send)
+            await routed(scope, receive, send)
+
+        return app
+
+    def _routed(self) -> Starlette:
         async def not_found(request: Request, exc: Exception) -> Response:
             status = getattr(exc, "status_code", 404)
             err = ApiError(
@@ -352,6 +370,11 @@ class _Exchange:
         self.send = send
         self.started = False
         self.gone = False
+        #: The stream is running (a lost client cancels it; after it, the writes are cancelled).
+        self.streaming = True
+        self.writes = trio.CancelScope()
+        #: SSE chunks held for one write (events that arrived together).
+        self.pending: list[bytes] = []
         self.builder = ResponseBuilder(
             chat=chat,
             request_id=handle.request_id,
@@ -361,12 +384,20 @@ class _Exchange:
             stream=mapped.stream,
         )
 
+    def _lost(self) -> None:
+        """The client is gone: cancel the stream, or the writes after it."""
+        self.gone = True
+        self.handle.cancel(OUTCOME_CLIENT_GONE)
+        if not self.streaming:
+            self.writes.cancel()
+
     async def _watch(self) -> None:
+        """Until the response is written: a disconnect ends it (also the listener's close of a
+        connection whose client took nothing of a write for ``--stall-timeout``)."""
         while True:
             message = await self.receive()
             if message["type"] == "http.disconnect":
-                self.gone = True
-                self.handle.cancel(OUTCOME_CLIENT_GONE)
+                self._lost()
                 return
 
     async def _start(
@@ -381,31 +412,35 @@ class _Exchange:
         self.started = True
 
     async def _send(self, message: dict[str, Any]) -> None:
-        """One ASGI send, bounded by ``stall_timeout``; ``ClientGone`` when it cannot finish."""
+        """One ASGI send; ``ClientGone`` once the client is gone."""
         if self.gone:
             raise ClientGone
-        with trio.move_on_after(self.config.stall_timeout) as scope:
-            try:
-                await self.send(message)
-            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
-                self.gone = True
-                raise ClientGone from None
-        if scope.cancelled_caught:
+        try:
+            await self.send(message)
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
             self.gone = True
-            raise ClientGone
+            raise ClientGone from None
 
     async def _write(self, data: bytes) -> None:
         await self._send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def _flush(self) -> None:
+        """Start the event stream if not yet, and write the chunks held back."""
+        if not self.started:
+            await self._start(200, b"text/event-stream", [(b"cache-control", b"no-cache")])
+            self.pending[:0] = self.builder.opening()
+        if self.pending:
+            data = b"".join(self.pending)
+            self.pending.clear()
+            await self._write(data)
 
     async def _emit_stream(self, ev: pb.GenerateResponse) -> None:
         chunk = self.builder.event(ev)
         if chunk is None:
             return
-        if not self.started:
-            await self._start(200, b"text/event-stream", [(b"cache-control", b"no-cache")])
-            for opening in self.builder.opening():
-                await self._write(opening)
-        await self._write(chunk)
+        self.pending.append(chunk)
+        if not self.handle.more_queued:  # events that came together leave in one write
+            await self._flush()
 
     async def _emit_whole(self, ev: pb.GenerateResponse) -> None:
         self.builder.event(ev)
@@ -414,14 +449,14 @@ class _Exchange:
         emit = self._emit_stream if self.mapped.stream else self._emit_whole
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch)
-            outcome = await host.run_stream(self.handle, emit)
+            with self.writes:
+                outcome = await host.run_stream(self.handle, emit)
+                self.streaming = False
+                if not self.gone and outcome.kind == COMPLETED:
+                    await self._finish()
+                elif not self.gone:
+                    await self._fail(from_outcome(outcome))
             nursery.cancel_scope.cancel()
-        if self.gone:
-            return
-        if outcome.kind == COMPLETED:
-            await self._finish()
-        else:
-            await self._fail(from_outcome(outcome))
 
     async def _finish(self) -> None:
         b = self.builder
@@ -429,12 +464,9 @@ class _Exchange:
             await self._start(200, b"application/json")
             await self._send({"type": "http.response.body", "body": _json(b.body())})
             return
-        if not self.started:
-            await self._start(200, b"text/event-stream", [(b"cache-control", b"no-cache")])
-            for opening in b.opening():
-                await self._write(opening)
         if self.mapped.include_usage:
-            await self._write(b.usage_chunk())
+            self.pending.append(b.usage_chunk())
+        await self._flush()
         await self._send({"type": "http.response.body", "body": DONE})
 
     async def _fail(self, err: ApiError) -> None:
@@ -443,5 +475,6 @@ class _Exchange:
             await self._start(err.status, b"application/json", headers[1:])
             await self._send({"type": "http.response.body", "body": err.encode()})
             return
-        await self._write(sse(err.body()))
+        self.pending.append(sse(err.body()))
+        await self._flush()
         await self._send({"type": "http.response.body", "body": DONE})
