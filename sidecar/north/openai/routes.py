@@ -424,11 +424,15 @@ class _Exchange:
     async def _write(self, data: bytes) -> None:
         await self._send({"type": "http.response.body", "body": data, "more_body": True})
 
+    async def _begin(self) -> None:
+        """Start the event stream (its headers; the opening chunks go first)."""
+        await self._start(200, b"text/event-stream", [(b"cache-control", b"no-cache")])
+        self.pending[:0] = self.builder.opening()
+
     async def _flush(self) -> None:
         """Start the event stream if not yet, and write the chunks held back."""
         if not self.started:
-            await self._start(200, b"text/event-stream", [(b"cache-control", b"no-cache")])
-            self.pending[:0] = self.builder.opening()
+            await self._begin()
         if self.pending:
             data = b"".join(self.pending)
             self.pending.clear()
@@ -439,7 +443,9 @@ class _Exchange:
         if chunk is None:
             return
         self.pending.append(chunk)
-        if not self.handle.more_queued:  # events that came together leave in one write
+        # events that came together leave in one write; the last one (it carries the usage)
+        # leaves with the end of the response
+        if ev.usage is None and not self.handle.more_queued:
             await self._flush()
 
     async def _emit_whole(self, ev: pb.GenerateResponse) -> None:
@@ -466,8 +472,10 @@ class _Exchange:
             return
         if self.mapped.include_usage:
             self.pending.append(b.usage_chunk())
-        await self._flush()
-        await self._send({"type": "http.response.body", "body": DONE})
+        if not self.started:
+            await self._begin()
+        self.pending.append(DONE)
+        await self._send({"type": "http.response.body", "body": b"".join(self.pending)})
 
     async def _fail(self, err: ApiError) -> None:
         if not self.started:
@@ -475,6 +483,5 @@ class _Exchange:
             await self._start(err.status, b"application/json", headers[1:])
             await self._send({"type": "http.response.body", "body": err.encode()})
             return
-        self.pending.append(sse(err.body()))
-        await self._flush()
-        await self._send({"type": "http.response.body", "body": DONE})
+        self.pending += [sse(err.body()), DONE]
+        await self._send({"type": "http.response.body", "body": b"".join(self.pending)})
