@@ -64,10 +64,10 @@ class BenchConfig:
     # openai (optional): streamed completions through the OpenAI front vs EngineClient (paced
     # engine), and with the vllm extra the front before vllm-engine vs vllm serve
     openai_tokens: int = 200
-    openai_waves: int = 2
+    openai_requests: int = 3  # per client, one after the other
     openai_rounds: int = 3
     openai_token_delay_ms: float = 10.0
-    openai_vllm: bool = True
+    openai_vllm: bool = True  # also vs vllm serve when the vllm extra is installed
     openai_vllm_tokens: int = 64
     # the engine
     engine_stream_limit: int = 65536
@@ -116,7 +116,7 @@ class BenchConfig:
             vllm_tokens=16,
             vllm_rounds=1,
             openai_tokens=10,
-            openai_waves=1,
+            openai_requests=1,
             openai_rounds=1,
             openai_token_delay_ms=1.0,
             openai_vllm=False,

@@ -1,9 +1,10 @@
 """Scenario ``openai``: what the sidecar's OpenAI front adds to streamed completions.
 
 Simulated engine: a paced engine of its own (``openai_token_delay_ms`` per token, as a real
-engine decodes) with a sidecar in front (``--openai-listen``); at each concurrency (1 and 64),
-rounds alternate the front's client (``openai_load.through_front``: streamed
-``/v1/completions``) and ``EngineClient`` on the same engine. Reported per concurrency: TTFT and
+engine decodes) with a sidecar in front (``--openai-listen``); at each concurrency (1 and 64
+clients in a closed loop, staggered over one request's duration), rounds alternate the
+front's client (``openai_load.through_front``: streamed ``/v1/completions``) and
+``EngineClient`` on the same engine. Reported per concurrency: TTFT and
 inter-token percentiles, tokens/s, what the front adds to TTFT (each round's front minus its
 direct neighbour, median over rounds) and the tokens/s ratio.
 
@@ -55,7 +56,7 @@ async def openai(b: Bench) -> dict[str, Any]:
     out: dict[str, Any] = {
         "config": {
             "tokens": c.openai_tokens,
-            "waves": c.openai_waves,
+            "requests_per_client": c.openai_requests,
             "rounds": c.openai_rounds,
             "token_delay_ms": c.openai_token_delay_ms,
         },
@@ -74,7 +75,13 @@ async def openai(b: Bench) -> dict[str, Any]:
                 runs: dict[str, list[dict[str, Any]]] = {"front": [], "direct": []}
                 for _ in range(c.openai_rounds):
                     for kind, mode in (("front", "openai-front"), ("direct", "openai-engineclient")):
-                        spec = b.spec(mode, streams=n, tokens=c.openai_tokens, waves=c.openai_waves)
+                        spec = b.spec(
+                            mode,
+                            streams=n,
+                            tokens=c.openai_tokens,
+                            requests=c.openai_requests,
+                            ramp_s=c.openai_tokens * c.openai_token_delay_ms / 1000,
+                        )
                         spec.update(url=url, engine=address, model=b.model, pids=pids)
                         runs[kind].append(await procs.run_worker(spec))
                 fig = _compare(runs["front"], runs["direct"])
@@ -151,7 +158,7 @@ async def _measure(b: Bench, url: str, pids: dict[str, int]) -> dict[str, list[d
     for n in CONCURRENCY:
         out[str(n)] = []
         for _ in range(c.openai_rounds):
-            spec = b.spec("openai-front", streams=n, tokens=c.openai_vllm_tokens, waves=1)
+            spec = b.spec("openai-front", streams=n, tokens=c.openai_vllm_tokens, requests=2, ramp_s=1.0)
             spec.update(url=url, model="tiny-llama", pids=pids)
             out[str(n)].append(await procs.run_worker(spec, timeout=900))
     return out

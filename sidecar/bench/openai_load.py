@@ -1,8 +1,9 @@
 """Worker modes of the ``openai`` scenario: streamed completions through an OpenAI front
 (the sidecar's, or ``vllm serve``'s), and the same streams read directly with ``EngineClient``.
 
-Each run: ``waves`` times, ``streams`` streams at once, each ``tokens`` tokens (EOS ignored);
-per stream the send time and the arrival of every token. The front's client is lean (httpx,
+Each run is a closed loop at a concurrency: ``streams`` clients, each sending ``requests``
+streams of ``tokens`` tokens (EOS ignored) one after the other, starting at seeded random
+offsets within ``ramp_s``; per stream the send time and the arrival of every token. The front's client is lean (httpx,
 SSE split by hand, one JSON decode per chunk), so it measures the front, not the client
 library. Results: TTFT and inter-token gap percentiles (ms), tokens, wall time, tokens/s and the
 CPU seconds of every sampled process. One warm-up wave of one-token requests comes first.
@@ -10,6 +11,7 @@ CPU seconds of every sampled process. One warm-up wave of one-token requests com
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -36,23 +38,31 @@ def _figures(
 Stream = Callable[[int, int, list[int], list[list[int]]], Awaitable[None]]
 
 
-async def _waves(
-    spec: dict[str, Any],
-    cpu: Callable[[], dict[str, float]],
-    one: Stream,
+async def _closed_loop(
+    spec: dict[str, Any], cpu: Callable[[], dict[str, float]], one: Stream
 ) -> dict[str, Any]:
-    n, waves = spec["streams"], spec.get("waves", 1)
-    sent = [0] * (n * waves)
-    recv: list[list[int]] = [[] for _ in range(n * waves)]
+    """``streams`` clients, each sending ``requests`` streams one after the other, the clients
+    starting at seeded random offsets within ``ramp_s`` (so requests do not arrive in lockstep)."""
+    n, per = spec["streams"], spec.get("requests", 1)
+    sent = [0] * (n * per)
+    recv: list[list[int]] = [[] for _ in range(n * per)]
     async with trio.open_nursery() as nursery:  # warm-up: every connection open, paths hot
         for i in range(n):
             none: list[list[int]] = [[]]
             nursery.start_soon(one, -1 - i, 1, [0], none)
+    rng = random.Random(spec.get("seed", 5))
+    offsets = [rng.uniform(0, spec.get("ramp_s", 0.0)) if n > 1 else 0.0 for _ in range(n)]
+
+    async def client(k: int, start: float) -> None:
+        await trio.sleep_until(start)
+        for j in range(per):
+            await one(k * per + j, spec["tokens"], sent, recv)
+
     cpu0, t0 = cpu(), time.perf_counter()
-    for w in range(waves):
-        async with trio.open_nursery() as nursery:
-            for i in range(n):
-                nursery.start_soon(one, w * n + i, spec["tokens"], sent, recv)
+    now = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        for k, offset in enumerate(offsets):
+            nursery.start_soon(client, k, now + offset)
     t1, cpu1 = time.perf_counter(), cpu()
     return _figures(spec, sent, recv, t1 - t0, {k: cpu1[k] - cpu0[k] for k in cpu0})
 
@@ -95,7 +105,7 @@ async def through_front(spec: dict[str, Any], cpu: Callable[[], dict[str, float]
                         if choices and choices[0].get("text"):
                             slot.append(now)
 
-        return await _waves(spec, cpu, one)
+        return await _closed_loop(spec, cpu, one)
 
 
 async def engineclient(spec: dict[str, Any], cpu: Callable[[], dict[str, float]]) -> dict[str, Any]:
@@ -121,4 +131,4 @@ async def engineclient(spec: dict[str, Any], cpu: Callable[[], dict[str, float]]
                     if ev.token is not None and ev.token.text:
                         slot.append(time.time_ns())
 
-        return await _waves(spec, cpu, one)
+        return await _closed_loop(spec, cpu, one)
