@@ -3,10 +3,11 @@
 
 Each run is a closed loop at a concurrency: ``streams`` clients, each sending ``requests``
 streams of ``tokens`` tokens (EOS ignored) one after the other, starting at seeded random
-offsets within ``ramp_s``; per stream the send time and the arrival of every token. The front's client is lean (httpx,
-SSE split by hand, one JSON decode per chunk), so it measures the front, not the client
-library. Results: TTFT and inter-token gap percentiles (ms), tokens, wall time, tokens/s and the
-CPU seconds of every sampled process. One warm-up wave of one-token requests comes first.
+offsets within ``ramp_s``; per stream the send time and the arrival of every token. The
+front's client is lean (keep-alive HTTP/1.1 written by hand on a trio stream, one JSON decode
+per SSE event), so it measures the front, not a client library. Results: TTFT and inter-token
+gap percentiles (ms), tokens, wall time, tokens/s and the CPU seconds of every sampled process.
+One warm-up wave of one-token requests comes first.
 """
 
 from __future__ import annotations
@@ -70,16 +71,62 @@ async def _closed_loop(
 _chunk = msgspec.json.Decoder()
 
 
+class _Http11:
+    """One keep-alive HTTP/1.1 connection that posts JSON and reads a chunked SSE answer: the
+    least a client can do, so the benchmark measures the front rather than a client library."""
+
+    def __init__(self, stream: trio.abc.Stream, host: str, path: str) -> None:
+        self.stream = stream
+        self.head = f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+        self.buffer = b""
+
+    async def _more(self) -> None:
+        data = await self.stream.receive_some(65536)
+        if not data:
+            raise ConnectionError("the front closed the connection")
+        self.buffer += data
+
+    async def _line(self) -> bytes:
+        while (end := self.buffer.find(b"\r\n")) < 0:
+            await self._more()
+        line, self.buffer = self.buffer[:end], self.buffer[end + 2 :]
+        return line
+
+    async def post_sse(self, body: bytes, on_event: Callable[[bytes], None]) -> None:
+        """POST ``body``; ``on_event`` gets each SSE event's data as its chunk arrives."""
+        await self.stream.send_all(f"{self.head}content-length: {len(body)}\r\n\r\n".encode() + body)
+        status = await self._line()
+        if b" 200" not in status:
+            raise ConnectionError(f"the front answered {status!r}")
+        while await self._line():  # headers (the answer is chunked: the front streams it)
+            pass
+        pending = b""
+        while True:
+            size = int(await self._line(), 16)
+            if size == 0:
+                await self._line()
+                return
+            while len(self.buffer) < size + 2:
+                await self._more()
+            pending += self.buffer[:size]
+            self.buffer = self.buffer[size + 2 :]
+            *events, pending = pending.split(b"\n\n")
+            for event in events:
+                on_event(event.removeprefix(b"data: "))
+
+
 async def through_front(spec: dict[str, Any], cpu: Callable[[], dict[str, float]]) -> dict[str, Any]:
-    """Streamed ``/v1/completions`` at ``spec["url"]`` (an OpenAI base URL)."""
-    import httpx
+    """Streamed ``/v1/completions`` at ``spec["url"]`` (an OpenAI base URL, ``http://``), one
+    keep-alive connection per client."""
+    from urllib.parse import urlsplit
 
-    n = spec["streams"]
-    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
-    async with httpx.AsyncClient(base_url=spec["url"], limits=limits, timeout=300) as http:
+    url = urlsplit(spec["url"])
+    host, port = url.hostname or "127.0.0.1", url.port or 80
+    idle: list[_Http11] = []
 
-        async def one(i: int, tokens: int, sent: list[int], recv: list[list[int]]) -> None:
-            body = {
+    async def one(i: int, tokens: int, sent: list[int], recv: list[list[int]]) -> None:
+        body = msgspec.json.encode(
+            {
                 "model": spec["model"],
                 "prompt": spec.get("prompt", "Hello"),
                 "max_tokens": tokens,
@@ -87,25 +134,30 @@ async def through_front(spec: dict[str, Any], cpu: Callable[[], dict[str, float]
                 "stream": True,
                 "ignore_eos": True,
             }
-            slot = recv[i] if i >= 0 else []
-            if i >= 0:
-                sent[i] = time.time_ns()
-            async with http.stream("POST", "/completions", json=body) as response:
-                response.raise_for_status()
-                buffer = b""
-                async for data in response.aiter_bytes():
-                    now = time.time_ns()
-                    buffer += data
-                    *events, buffer = buffer.split(b"\n\n")
-                    for event in events:
-                        payload = event.removeprefix(b"data: ")
-                        if payload == b"[DONE]" or not payload:
-                            continue
-                        choices = _chunk.decode(payload).get("choices") or []
-                        if choices and choices[0].get("text"):
-                            slot.append(now)
+        )
+        slot = recv[i] if i >= 0 else []
 
+        def on_event(data: bytes) -> None:
+            if data != b"[DONE]":
+                choices = _chunk.decode(data).get("choices") or []
+                if choices and choices[0].get("text"):
+                    slot.append(time.time_ns())
+
+        conn = (
+            idle.pop()
+            if idle
+            else _Http11(await trio.open_tcp_stream(host, port), host, url.path + "/completions")
+        )
+        if i >= 0:
+            sent[i] = time.time_ns()
+        await conn.post_sse(body, on_event)
+        idle.append(conn)
+
+    try:
         return await _closed_loop(spec, cpu, one)
+    finally:
+        for conn in idle:
+            await conn.stream.aclose()
 
 
 async def engineclient(spec: dict[str, Any], cpu: Callable[[], dict[str, float]]) -> dict[str, Any]:
