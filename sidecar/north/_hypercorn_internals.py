@@ -35,10 +35,19 @@ import trio
 from hypercorn.config import Config, Sockets
 from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol import ProtocolWrapper
+from hypercorn.protocol.events import Event as StreamEvent
+from hypercorn.protocol.events import StreamClosed
 from hypercorn.protocol.h11 import H2ProtocolAssumedError, H11Protocol
 from hypercorn.trio.run import worker_serve
 from hypercorn.trio.tcp_server import TCPServer
-from hypercorn.typing import AppWrapper, ASGIFramework, ConnectionState, TaskGroup, WorkerContext
+from hypercorn.typing import (
+    AppWrapper,
+    ASGIFramework,
+    ConnectionState,
+    H11SendableEvent,
+    TaskGroup,
+    WorkerContext,
+)
 from hypercorn.utils import wrap_app
 from starlette.types import ASGIApp
 
@@ -66,7 +75,13 @@ __all__ = [
 #: Module globals of hypercorn's trio worker that :func:`install` replaces (module, name).
 MODULE_NAMES = (("hypercorn.trio.tcp_server", "ProtocolWrapper"), ("hypercorn.trio.run", "TCPServer"))
 #: Methods of hypercorn classes overridden here (class, name); ``_check_protocol`` is private.
-OVERRIDDEN = ((TCPServer, "run"), (TCPServer, "protocol_send"), (H11Protocol, "_check_protocol"))
+OVERRIDDEN = (
+    (TCPServer, "run"),
+    (TCPServer, "protocol_send"),
+    (H11Protocol, "_check_protocol"),
+    (H11Protocol, "_send_h11_event"),
+    (H11Protocol, "stream_send"),
+)
 #: Attributes of a ``ProtocolWrapper`` that :class:`GuardedProtocol` passes to its protocol
 #: (set from the constructor parameters of the same names).
 WRAPPER_STATE = ("app", "config", "context", "task_group", "state", "ssl", "client", "server", "send")
@@ -167,7 +182,29 @@ class CountedServer(TCPServer):
 
 
 class Http11Only(H11Protocol):
-    """HTTP/1.1 without its two ways into HTTP/2."""
+    """HTTP/1.1 without its two ways into HTTP/2; a response's head leaves with its first body
+    bytes (one write, not two: hypercorn writes the head as soon as the app starts the response)."""
+
+    _held = b""
+
+    async def _send_h11_event(self, event: H11SendableEvent) -> None:
+        try:
+            data = self.connection.send(event)
+        except h11.LocalProtocolError:
+            if self.connection.their_state != h11.ERROR:
+                raise
+            return
+        if isinstance(event, h11.Response):
+            self._held += data
+            return
+        held, self._held = self._held, b""
+        await self.send(RawData(data=held + data))
+
+    async def stream_send(self, event: StreamEvent) -> None:
+        if isinstance(event, StreamClosed) and self._held:  # a head with no body after it
+            held, self._held = self._held, b""
+            await self.send(RawData(data=held))
+        await super().stream_send(event)
 
     async def _check_protocol(self, event: h11.Request) -> None:
         if event.method == b"PRI" and event.target == b"*" and event.http_version == b"2.0":
