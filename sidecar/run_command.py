@@ -4,7 +4,7 @@
     └─ (``--dynamo`` only: the asyncio loop Dynamo's runtime needs, on trio)
        └─ engine client (its connections' tasks)
           └─ root nursery: stream supervisor (Abort retries), engine watch, load poller,
-             KV bridge, HTTP, WebSocket plane, Dynamo plane
+             KV bridge, HTTP, OpenAI front, WebSocket plane, Dynamo plane
 
 :func:`serve` goes through three phases and reads SIGTERM/SIGINT in each:
 
@@ -15,9 +15,10 @@
 - **stopping**, within one deadline (:func:`sidecar.core.shutdown.stop_timeout`): leave Dynamo
   (``--dynamo``), drain (``/ready`` 503, new work DRAINING, admitted streams finish within
   ``--drain-timeout``, the rest are cancelled and aborted), then every connection sends its
-  last frames and closes; whatever still runs at the deadline is cancelled. A second signal
-  skips what is left of leaving and draining: every stream is cancelled at once (its Abort is
-  still sent, within :func:`~sidecar.core.shutdown.stop_budget`). Exit 0.
+  last frames and closes (the OpenAI front's last responses are written); whatever still
+  runs at the deadline is cancelled. A second signal skips what is left of leaving and
+  draining: every stream is cancelled at once (its Abort is still sent, within
+  :func:`~sidecar.core.shutdown.stop_budget`). Exit 0.
 
 A failure to start (engine never ready, negotiation, a port in use, a KV bridge or Dynamo
 plane that cannot start, an unwritable ready file) exits 1 with one line.
