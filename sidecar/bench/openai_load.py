@@ -24,19 +24,25 @@ from sidecar.bench.north_load import latency_figures
 
 
 def _figures(
-    spec: dict[str, Any], sent: list[int], recv: list[list[int]], seconds: float, cpu_s: dict[str, float]
+    spec: dict[str, Any],
+    sent: list[int],
+    recv: list[list[int]],
+    counts: list[int],
+    seconds: float,
+    cpu_s: dict[str, float],
 ) -> dict[str, Any]:
     out = latency_figures(sent, recv, [[""] * len(times) for times in recv])  # no engine stamps
     out.pop("oneway_ms", None)
-    tokens = sum(len(times) for times in recv)
+    tokens = sum(counts)
     out.update(streams=spec["streams"], tokens=tokens, seconds=seconds, cpu_s=cpu_s)
     out["tokens_per_s"] = tokens / seconds if seconds > 0 else float("nan")
-    out["short_streams"] = sum(1 for times in recv if len(times) < spec["tokens"])
+    out["short_streams"] = sum(1 for n in counts if n < spec["tokens"])
     return out
 
 
-#: One stream: (index, tokens, send times, arrival times); a negative index is a warm-up.
-Stream = Callable[[int, int, list[int], list[list[int]]], Awaitable[None]]
+#: One stream: (index, tokens, send times, arrival times of text, tokens received); a negative
+#: index is a warm-up. A text event may carry several tokens (an engine behind on its client).
+Stream = Callable[[int, int, list[int], list[list[int]], list[int]], Awaitable[None]]
 
 
 async def _closed_loop(
@@ -47,17 +53,18 @@ async def _closed_loop(
     n, per = spec["streams"], spec.get("requests", 1)
     sent = [0] * (n * per)
     recv: list[list[int]] = [[] for _ in range(n * per)]
+    counts = [0] * (n * per)
     async with trio.open_nursery() as nursery:  # warm-up: every connection open, paths hot
         for i in range(n):
             none: list[list[int]] = [[]]
-            nursery.start_soon(one, -1 - i, 1, [0], none)
+            nursery.start_soon(one, -1 - i, 1, [0], none, [0])
     rng = random.Random(spec.get("seed", 5))
     offsets = [rng.uniform(0, spec.get("ramp_s", 0.0)) if n > 1 else 0.0 for _ in range(n)]
 
     async def client(k: int, start: float) -> None:
         await trio.sleep_until(start)
         for j in range(per):
-            await one(k * per + j, spec["tokens"], sent, recv)
+            await one(k * per + j, spec["tokens"], sent, recv, counts)
 
     cpu0, t0 = cpu(), time.perf_counter()
     now = trio.current_time()
@@ -65,7 +72,7 @@ async def _closed_loop(
         for k, offset in enumerate(offsets):
             nursery.start_soon(client, k, now + offset)
     t1, cpu1 = time.perf_counter(), cpu()
-    return _figures(spec, sent, recv, t1 - t0, {k: cpu1[k] - cpu0[k] for k in cpu0})
+    return _figures(spec, sent, recv, counts, t1 - t0, {k: cpu1[k] - cpu0[k] for k in cpu0})
 
 
 _chunk = msgspec.json.Decoder()
@@ -124,7 +131,7 @@ async def through_front(spec: dict[str, Any], cpu: Callable[[], dict[str, float]
     host, port = url.hostname or "127.0.0.1", url.port or 80
     idle: list[_Http11] = []
 
-    async def one(i: int, tokens: int, sent: list[int], recv: list[list[int]]) -> None:
+    async def one(i: int, tokens: int, sent: list[int], recv: list[list[int]], counts: list[int]) -> None:
         body = msgspec.json.encode(
             {
                 "model": spec["model"],
@@ -132,6 +139,7 @@ async def through_front(spec: dict[str, Any], cpu: Callable[[], dict[str, float]
                 "max_tokens": tokens,
                 "temperature": 0.0,
                 "stream": True,
+                "stream_options": {"include_usage": True},
                 "ignore_eos": True,
             }
         )
@@ -139,9 +147,12 @@ async def through_front(spec: dict[str, Any], cpu: Callable[[], dict[str, float]
 
         def on_event(data: bytes) -> None:
             if data != b"[DONE]":
-                choices = _chunk.decode(data).get("choices") or []
+                chunk = _chunk.decode(data)
+                choices = chunk.get("choices") or []
                 if choices and choices[0].get("text"):
                     slot.append(time.time_ns())
+                elif not choices and chunk.get("usage") and i >= 0:
+                    counts[i] = chunk["usage"]["completion_tokens"]
 
         conn = (
             idle.pop()
@@ -167,7 +178,7 @@ async def engineclient(spec: dict[str, Any], cpu: Callable[[], dict[str, float]]
 
     async with open_engine_client(spec["engine"]) as client:
 
-        async def one(i: int, tokens: int, sent: list[int], recv: list[list[int]]) -> None:
+        async def one(i: int, tokens: int, sent: list[int], recv: list[list[int]], counts: list[int]) -> None:
             req = pb.GenerateRequest(
                 request_id=f"{spec['nonce']}-{i}",
                 model=spec["model"],
@@ -182,5 +193,7 @@ async def engineclient(spec: dict[str, Any], cpu: Callable[[], dict[str, float]]
                 async for ev in stream:
                     if ev.token is not None and ev.token.text:
                         slot.append(time.time_ns())
+                        if i >= 0:
+                            counts[i] += len(ev.token.tokens) or 1
 
         return await _closed_loop(spec, cpu, one)
