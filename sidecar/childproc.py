@@ -24,6 +24,8 @@ import trio
 ENGINE_READY = re.compile(r"serving OpenEngine on (\S+?);?(?:\s|$)")
 #: The line ``openengine-sidecar run`` prints once serving; groups: WebSocket and HTTP URLs.
 SIDECAR_READY = re.compile(r"serving (ws://\S+) and (http://\S+)")
+#: The line ``run --openai-listen`` prints once its OpenAI front is bound; group 1 is its base URL.
+OPENAI_READY = re.compile(r"OpenAI-compatible API on (https?://\S+)")
 
 
 class ChildLineTimeout(Exception):

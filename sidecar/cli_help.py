@@ -41,6 +41,8 @@ RUN_SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "--listen",
             "--http-listen",
+            "--openai-listen",
+            "--chat-template",
             "--tls-cert",
             "--tls-key",
             "--auth-token-file",

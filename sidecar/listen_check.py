@@ -126,12 +126,20 @@ def _failure(lis: Listener, err: OSError | zmq.ZMQError, ours: str | None) -> Fa
 
 
 async def check_run_listeners(
-    listen: str, http_listen: str, kv: KvBridgeConfig | None, dp_ranks: Sequence[int]
+    listen: str,
+    http_listen: str,
+    kv: KvBridgeConfig | None,
+    dp_ranks: Sequence[int],
+    *,
+    openai_listen: str | None = None,
 ) -> None:
-    """:func:`check_listeners` over ``run``'s listeners: ``--listen``, ``--http-listen`` and,
+    """:func:`check_listeners` over ``run``'s listeners: ``--listen``, ``--http-listen``,
+    ``--openai-listen`` when given and,
     with ``kv`` (a bridge that will start), ``--kv-publish`` / ``--kv-replay`` of every DP rank
     in ``dp_ranks`` (rank 0 when empty). Raises :class:`StartupError` (the clash's line)."""
     listeners = [Listener("--listen", listen), Listener("--http-listen", http_listen)]
+    if openai_listen is not None:
+        listeners.append(Listener("--openai-listen", openai_listen))
     if kv is not None:
         for rank in dp_ranks or [0]:
             note = f"DP rank {rank}" if rank else ""

@@ -4,7 +4,7 @@
     └─ (``--dynamo`` only: the asyncio loop Dynamo's runtime needs, on trio)
        └─ engine client (its connections' tasks)
           └─ root nursery: stream supervisor (Abort retries), engine watch, load poller,
-             KV bridge, HTTP, WebSocket plane, Dynamo plane
+             KV bridge, HTTP, OpenAI front, WebSocket plane, Dynamo plane
 
 :func:`serve` goes through three phases and reads SIGTERM/SIGINT in each:
 
@@ -15,9 +15,10 @@
 - **stopping**, within one deadline (:func:`sidecar.core.shutdown.stop_timeout`): leave Dynamo
   (``--dynamo``), drain (``/ready`` 503, new work DRAINING, admitted streams finish within
   ``--drain-timeout``, the rest are cancelled and aborted), then every connection sends its
-  last frames and closes; whatever still runs at the deadline is cancelled. A second signal
-  skips what is left of leaving and draining: every stream is cancelled at once (its Abort is
-  still sent, within :func:`~sidecar.core.shutdown.stop_budget`). Exit 0.
+  last frames and closes (the OpenAI front's last responses are written); whatever still
+  runs at the deadline is cancelled. A second signal skips what is left of leaving and
+  draining: every stream is cancelled at once (its Abort is still sent, within
+  :func:`~sidecar.core.shutdown.stop_budget`). Exit 0.
 
 A failure to start (engine never ready, negotiation, a port in use, a KV bridge or Dynamo
 plane that cannot start, an unwritable ready file) exits 1 with one line.
@@ -68,7 +69,9 @@ from sidecar.listen_check import check_run_listeners
 from sidecar.loopwatch import watch_loop
 from sidecar.north.http import build_app
 from sidecar.north.http_server import HttpLimits, serve_http
-from sidecar.north.limit_options import apply_limit_options, http_limits, limit_options
+from sidecar.north.limit_options import apply_limit_options, http_limits, limit_options, openai_config
+from sidecar.north.openai.routes import OpenAIConfig, OpenAIFront
+from sidecar.north.peers import fit_to_fd_limit
 from sidecar.north.ws_server import WS_PATH, NorthPlane, WsConfig
 from sidecar.nursery import lone_exception
 from sidecar.openengine.client import open_engine_client
@@ -94,6 +97,8 @@ async def serve(
     http_limits: HttpLimits | None = None,
     dynamo: DynamoConfig | None = None,
     tracing: TracingConfig | None = None,
+    openai_listen: str | None = None,
+    openai: OpenAIConfig | None = None,
     task_status: trio.TaskStatus[dict[str, str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the sidecar until stopped (module doc); ``task_status.started(bound addresses)``."""
@@ -123,15 +128,18 @@ async def serve(
                     open_probes,
                     limits,
                     dynamo,
+                    (openai_listen, openai or OpenAIConfig(), _openai_limits(limits, ws))
+                    if openai_listen
+                    else None,
                 )
                 started = await _unless_signal(signals, start)
                 if started is None:
                     root.cancel_scope.cancel()
                     return
-                bound, north, plane = started
+                bound, north, plane, front = started
                 task_status.started(bound)
                 signum = await signals.__anext__()
-                await _stop(sidecar, north, plane, signals, signum)
+                await _stop(sidecar, north, plane, front, signals, signum)
                 root.cancel_scope.cancel()
     log.info("exited cleanly")
 
@@ -164,10 +172,17 @@ async def _start(
     open_probes: bool,
     http_limits: HttpLimits,
     dynamo: DynamoConfig | None,
-) -> tuple[dict[str, str], NorthPlane, DynamoPlane | None]:
+    openai: tuple[str, OpenAIConfig, HttpLimits] | None,
+) -> tuple[dict[str, str], NorthPlane, DynamoPlane | None, OpenAIFront | None]:
     """Wait for the engine, start every service in ``root``, bind every listener; log "ready"."""
     card = await sidecar.startup()
-    await check_run_listeners(listen, http_listen, kv if card.kv_event_sources else None, card.dp_ranks)
+    await check_run_listeners(
+        listen,
+        http_listen,
+        kv if card.kv_event_sources else None,
+        card.dp_ranks,
+        openai_listen=openai[0] if openai else None,
+    )
     await root.start(sidecar.supervisor.run_service)
     await _start_kv_bridge(root, sidecar, kv)
     log.info(
@@ -198,6 +213,9 @@ async def _start(
         "ws": f"ws{secure}://{join_host_port(ws_host, ws_port)}{WS_PATH}",
         "http": f"http{secure}://{join_host_port(http_host, http_port)}",
     }
+    front = None
+    if openai is not None:
+        front, bound["openai"] = await _start_openai(root, sidecar, openai, tls)
     # Dynamo worker plane (optional): registered last, left first when stopping
     plane = await start_dynamo_plane(root, sidecar, dynamo, kv_topic=kv.topic if kv else "")
     if plane is not None:
@@ -211,7 +229,40 @@ async def _start(
     sdnotify.notify("READY=1", f"STATUS=serving {card.engine.name} {card.role} on {bound['ws']}")
     if (interval := sdnotify.watchdog_interval()) is not None:
         root.start_soon(_watchdog, interval)
-    return bound, north, plane
+    return bound, north, plane, front
+
+
+async def _start_openai(
+    root: trio.Nursery,
+    sidecar: Sidecar,
+    openai: tuple[str, OpenAIConfig, HttpLimits],
+    tls: tuple[str, str] | None,
+) -> tuple[OpenAIFront, str]:
+    """The OpenAI front (``--openai-listen``): its chat templates found, its listener bound with
+    the HTTP listener's machinery (``limits``: :func:`_openai_limits`); returns it and its base URL."""
+    listen, config, limits = openai
+    front = OpenAIFront(sidecar, config)
+    await front.load_templates()
+    cert, key = tls if tls else (None, None)
+    host, port = split_host_port(listen)
+    bind = join_host_port(host, port)
+    serving = partial(serve_http, certfile=cert, keyfile=key, limits=limits)
+    port = await _bind("--openai-listen", listen, root.start(serving, front.app(), bind))
+    url = f"http{'s' if tls else ''}://{join_host_port(host, port)}/v1"
+    log.info("OpenAI-compatible API on %s", url)
+    return front, url
+
+
+def _openai_limits(http: HttpLimits, ws: WsConfig) -> HttpLimits:
+    """The OpenAI listener's limits: the HTTP listener's headers and timeouts, the WebSocket
+    listener's connection counts and stall timeout (both serve clients' streams)."""
+    return replace(
+        http,
+        max_connections=fit_to_fd_limit(ws.max_connections),
+        max_connections_per_peer=ws.max_connections_per_peer,
+        prefix="openai_",
+        write_timeout=ws.stall_timeout,
+    )
 
 
 async def _bind(flag: str, address: str, starting: Awaitable[Any]) -> int:
@@ -227,7 +278,12 @@ async def _bind(flag: str, address: str, starting: Awaitable[Any]) -> int:
 
 
 async def _stop(
-    sidecar: Sidecar, north: NorthPlane, plane: DynamoPlane | None, signals: Signals, signum: int
+    sidecar: Sidecar,
+    north: NorthPlane,
+    plane: DynamoPlane | None,
+    front: OpenAIFront | None,
+    signals: Signals,
+    signum: int,
 ) -> None:
     """Leave Dynamo, drain, close the connections: all before one deadline (module doc)."""
     cfg = sidecar.config
@@ -257,6 +313,9 @@ async def _stop(
             sidecar.start_draining()  # (already, unless a second signal came before the drain)
             await sidecar.stop_streams(OUTCOME_SHUTDOWN)
             north.close()  # every connection sends its last frames, then closes (1001)
+            if front is not None:
+                front.close()  # new requests 503; the last responses are written
+                await front.wait_idle()
             await north.wait_closed()
             nursery.cancel_scope.cancel()
     if deadline.cancelled_caught:
@@ -323,6 +382,18 @@ async def _watchdog(interval: float) -> None:
     default="127.0.0.1:8601",
     show_default=True,
     help="HTTP listener: probes, metrics, worker card, load.",
+)
+@option(
+    "--openai-listen",
+    type=ListenAddressType(),
+    default=None,
+    help="OpenAI-compatible API and GIE metrics (/v1/completions, /v1/chat/completions, /v1/models, /metrics); off unless given.",
+)
+@option(
+    "--chat-template",
+    type=EXISTING_FILE,
+    default=None,
+    help="Chat template (Jinja) for /v1/chat/completions, instead of the tokenizer's.",
 )
 @option(
     "--http-idle-timeout",
@@ -577,6 +648,8 @@ def run(**opts: Any) -> None:
                 http_limits=http_limits(opts),
                 dynamo=dynamo,
                 tracing=opts["tracing"],
+                openai_listen=opts["openai_listen"],
+                openai=openai_config(opts, ws),
             )
         )
     except (StartupError, BaseExceptionGroup) as err:

@@ -180,6 +180,17 @@ def goals(results: dict[str, Any]) -> list[dict[str, Any]]:
         goal("stretch: relay vs direct EngineClient", x, ">= 0.85x", None if x is None else x >= 0.85, "x")
         x = r.get("sidecar_cpu_per_token_vs_grpcio")
         goal("stretch: sidecar CPU/token vs grpcio", x, "<= 1.25x", None if x is None else x <= 1.25, "x")
+    for n, fig in ((results.get("openai") or {}).get("simulated") or {}).items():
+        x = fig.get("added_ttft_p50_ms")
+        goal(f"OpenAI front added TTFT p50, {n} stream(s)", x, "<= 2 ms", None if x is None else x <= 2, "ms")
+        x = fig.get("tokens_per_s_ratio")
+        goal(
+            f"OpenAI front tokens/s vs EngineClient, {n} stream(s)",
+            x,
+            ">= 0.95x",
+            None if x is None else x >= 0.95,
+            "x",
+        )
     short = results.get("short")
     if short and "sidecar" in short:
         x = short["sidecar"]["requests_per_s"]

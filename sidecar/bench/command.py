@@ -164,7 +164,7 @@ def _write(path: Path, doc: dict[str, Any], started: float) -> dict[str, Any]:
     show_default=True,
     callback=_scenarios,
     help="Comma-separated subset to run; 'vllm' (the sidecar in front of real vLLM, needs the 'vllm' "
-    "extra) runs only when named.",
+    "extra) and 'openai' (the OpenAI front) run only when named.",
 )
 @_opt("--quick", is_flag=True, help="Tiny sizes: every scenario in seconds (smoke run).")
 @_opt(

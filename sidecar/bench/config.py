@@ -7,7 +7,7 @@ from pathlib import Path
 
 SCENARIOS = ("relay", "short", "burst", "latency", "cancel", "scale", "kv", "drain", "dynamo")
 #: Run only when asked (``--scenarios vllm``): needs the ``vllm`` extra and starts real vLLM.
-OPTIONAL_SCENARIOS = ("vllm",)
+OPTIONAL_SCENARIOS = ("vllm", "openai")
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,14 @@ class BenchConfig:
     vllm_tokens: int = 128
     vllm_prompt_tokens: int = 64
     vllm_rounds: int = 3
+    # openai (optional): streamed completions through the OpenAI front vs EngineClient (paced
+    # engine), and with the vllm extra the front before vllm-engine vs vllm serve
+    openai_tokens: int = 200
+    openai_requests: int = 3  # per client, one after the other
+    openai_rounds: int = 3
+    openai_token_delay_ms: float = 10.0
+    openai_vllm: bool = True  # also vs vllm serve when the vllm extra is installed
+    openai_vllm_tokens: int = 64
     # the engine
     engine_stream_limit: int = 65536
     engine_lean_load: bool = True  # the engine's GetLoad attributes as small as a real engine's
@@ -107,6 +115,11 @@ class BenchConfig:
             vllm_streams=2,
             vllm_tokens=16,
             vllm_rounds=1,
+            openai_tokens=10,
+            openai_requests=1,
+            openai_rounds=1,
+            openai_token_delay_ms=1.0,
+            openai_vllm=False,
         )
 
     def with_rounds(self, rounds: int) -> BenchConfig:
@@ -118,4 +131,5 @@ class BenchConfig:
             burst_rounds=rounds,
             dynamo_rounds=rounds,
             vllm_rounds=rounds,
+            openai_rounds=rounds,
         )

@@ -69,6 +69,8 @@ class EngineOptions:
     max_concurrent_streams: int = 65536  # 0: grpclib's default of 100 per connection
     lean_load_attributes: bool = True  # see engine_proc.lean_load_attributes
     capacity: int = 20_000  # max running (and queued) requests
+    #: Pace every stream at this many ms per token (0: fast mode, as fast as it can).
+    token_delay_ms: float = 0.0
 
 
 @asynccontextmanager
@@ -80,7 +82,8 @@ async def engine(tmp: Path, opts: EngineOptions) -> AsyncIterator[tuple[Proc, st
         argv += ["--max-concurrent-streams", str(opts.max_concurrent_streams)]
     if opts.lean_load_attributes:
         argv += ["--lean-load-attributes"]
-    argv += ["--fast", "--flavor", opts.flavor, "--model", opts.model, "--kv-events", "none"]
+    pace = ["--token-delay-ms", str(opts.token_delay_ms)] if opts.token_delay_ms else ["--fast"]
+    argv += [*pace, "--flavor", opts.flavor, "--model", opts.model, "--kv-events", "none"]
     argv += ["--listen", f"unix://{sock}", "--max-running", str(opts.capacity)]
     argv += ["--max-queue", str(opts.capacity), "--total-kv-blocks", str(opts.capacity * 40)]
     argv += ["--max-output-tokens", "1000000", "--orphans", "hold", "--orphan-timeout", "3600"]

@@ -57,6 +57,29 @@ def _vllm_rows(v: dict[str, Any] | None) -> list[tuple[str, str, str, str, str]]
     return out
 
 
+def openai_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
+    """The ``openai`` scenario: the OpenAI front vs EngineClient (simulated) and vs vllm serve."""
+    o = results.get("openai")
+    if not o:
+        return []
+    out = []
+    for part, ref in (("simulated", "EngineClient"), ("vllm", "vllm serve")):
+        for n, fig in (o.get(part) or {}).items():
+            if not isinstance(fig, dict) or "front" not in fig:
+                continue
+            f, r = fig["front"], fig["reference"]
+            out.append(
+                (
+                    f"{'simulated engine' if part == 'simulated' else 'vLLM'}, {n} stream{'s' if n != '1' else ''} (vs {ref})",
+                    f"{fmt(f['tokens_per_s'])} | {fmt(r['tokens_per_s'])}",
+                    f"{_ms(f['ttft_ms']['p50'])} | {_ms(r['ttft_ms']['p50'])}",
+                    _ms(fig["added_ttft_p50_ms"], True),
+                    _times(fig["tokens_per_s_ratio"]),
+                )
+            )
+    return out
+
+
 def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     """(metric, through the sidecar, direct EngineClient, grpcio + protobuf, sidecar vs direct)."""
     out: list[tuple[str, str, str, str, str]] = []
@@ -324,6 +347,16 @@ def render_table(results: dict[str, Any]) -> str:
             "sidecar vs anchor",
         )
         parts.append(_table(header, fleet))
+    oa = openai_rows(results)
+    if oa:
+        header = (
+            "OpenAI front (streamed)",
+            "tokens/s: front | ref",
+            "TTFT p50 ms: front | ref",
+            "added TTFT p50 ms",
+            "tokens/s ratio",
+        )
+        parts.append(_table(header, oa))
     dyn = results.get("dynamo")
     if dyn and "skipped" in dyn:
         parts.append(f"dynamo: skipped ({dyn['skipped']})")

@@ -486,6 +486,13 @@ async def vllm(b: Bench) -> dict[str, Any]:
     return await run(b)
 
 
+async def openai(b: Bench) -> dict[str, Any]:
+    """The OpenAI front vs EngineClient, and vs ``vllm serve`` (``sidecar.bench.openai_bench``)."""
+    from sidecar.bench.openai_bench import openai as run
+
+    return await run(b)
+
+
 RUNNERS = {
     "relay": relay,
     "short": short,
@@ -497,4 +504,5 @@ RUNNERS = {
     "drain": drain,
     "dynamo": fleet.dynamo,
     "vllm": vllm,
+    "openai": openai,
 }

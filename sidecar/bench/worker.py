@@ -21,7 +21,7 @@ from typing import Any
 
 import trio
 
-from sidecar.bench import burst_load, direct_load, fleet_load, north_load, stats, vllm_load
+from sidecar.bench import burst_load, direct_load, fleet_load, north_load, openai_load, stats, vllm_load
 
 
 def _cpu_sampler(pids: dict[str, int]) -> Callable[[], dict[str, float]]:
@@ -60,6 +60,8 @@ TRIO_MODES: dict[str, Any] = {
     "fleet": fleet_load.fleet,
     "burst-lean": burst_load.burst_lean,
     "burst-engineclient": burst_load.burst_engineclient,
+    "openai-front": openai_load.through_front,
+    "openai-engineclient": openai_load.engineclient,
 }
 #: Modes on asyncio (grpcio, websockets): plain functions that run their own loop.
 ASYNCIO_MODES: dict[str, Any] = {

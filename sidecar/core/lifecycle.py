@@ -113,6 +113,17 @@ class StreamHandle:
         ``PrefillReady`` is relayed (emitted); None before, or for a stream without one."""
         return self._upstream.kv_session_bytes if self._upstream is not None else None
 
+    @property
+    def started(self) -> bool:
+        """Whether the engine has sent anything on this stream yet."""
+        return self._upstream is not None and self._upstream.messages > 0
+
+    @property
+    def more_queued(self) -> bool:
+        """Whether engine events have arrived that are not relayed yet (an ``emit`` that sees it
+        may hold its write for them: they come at once)."""
+        return self._upstream is not None and self._upstream.ready
+
     def cancel(self, reason: Outcome) -> None:
         """Cancel the stream (idempotent: the first reason wins)."""
         if self.cancel_reason is None:

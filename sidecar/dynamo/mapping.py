@@ -1,6 +1,7 @@
 """Dynamo's preprocessed request ↔ OpenEngine ``GenerateRequest``, engine events ↔ Dynamo chunks.
 
-Pure functions (no Dynamo import), used by the worker plane's handler.
+Pure functions (no Dynamo import), used by the worker plane's handler. The option conversions
+are ``sidecar.core.request_options``'s, shared with the OpenAI front.
 
 Request (Dynamo's ``PreprocessedRequest`` as a dict) → ``GenerateRequest`` + metadata:
 
@@ -38,15 +39,25 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sidecar.core.card import ROLE_DECODE, ROLE_PREFILL, MultimodalCard, WorkerCard
+from sidecar.core.card import ROLE_DECODE, ROLE_PREFILL, WorkerCard
 from sidecar.core.errors import Rejection, invalid_argument
 from sidecar.core.handoff import parse_kv_session
 from sidecar.core.lifecycle import CANCELLED, FAILED, Outcome
 from sidecar.core.metadata import PRIORITY, TARGET_DP_RANK
+from sidecar.core.request_options import (
+    CLIENT_CODES,
+    guided_decoding,
+    model_multimodal,
+    response_options,
+    sampling_params,
+    stopping_options,
+    token_id_list,
+    trace_metadata,
+    usage_dict,
+)
 from sidecar.dynamo.media import media_request
 from sidecar.openengine import pb
 
@@ -68,15 +79,6 @@ _FINISH = {
     pb.FinishReason.LENGTH: "length",
     pb.FinishReason.CANCELLED: "cancelled",
 }
-_SAMPLING_FLOATS = (
-    "temperature",
-    "top_p",
-    "min_p",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-)
-_MAX_U32 = 2**32 - 1
 
 
 class DynamoRequest:
@@ -99,114 +101,6 @@ def _dict(value: Any, what: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         invalid_argument(f"{what} must be an object")
     return value
-
-
-def _uint(value: Any, what: str) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_U32:
-        invalid_argument(f"{what} must be an unsigned 32-bit integer, got {value!r}")
-    return value
-
-
-def _token_ids(value: Any, what: str) -> list[int]:
-    if not isinstance(value, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _MAX_U32 for t in value
-    ):
-        invalid_argument(f"{what} must be a list of token ids")
-    return value
-
-
-def _sampling(opts: Mapping[str, Any]) -> pb.SamplingParams | None:
-    fields: dict[str, Any] = {}
-    for name in _SAMPLING_FLOATS:
-        v = opts.get(name)
-        if v is not None:
-            if isinstance(v, bool) or not isinstance(v, int | float):
-                invalid_argument(f"sampling_options.{name} must be a number")
-            fields[name] = float(v)
-    top_k = opts.get("top_k")
-    if top_k is not None and top_k > 0:
-        fields["top_k"] = int(top_k)
-    seed = opts.get("seed")
-    if seed is not None:
-        fields["seed"] = int(seed) & (2**64 - 1)
-    n = _uint(opts.get("n"), "sampling_options.n")
-    if n is not None:
-        fields["num_sequences"] = n
-    return pb.SamplingParams(**fields) if fields else None
-
-
-def _guided(opts: Mapping[str, Any]) -> pb.GuidedDecoding | None:
-    g = _dict(opts.get("guided_decoding"), "sampling_options.guided_decoding")
-    if not g:
-        return None
-    backend = g.get("backend") or ""
-    if g.get("json") is not None:
-        schema = g["json"]
-        text = schema if isinstance(schema, str) else json.dumps(schema)
-        return pb.GuidedDecoding(json_schema=text, backend=backend)
-    if g.get("regex") is not None:
-        return pb.GuidedDecoding(regex=str(g["regex"]), backend=backend)
-    if g.get("choice") is not None:
-        return pb.GuidedDecoding(
-            choice=pb.ChoiceConstraint(choices=[str(c) for c in g["choice"]]), backend=backend
-        )
-    if g.get("grammar") is not None:
-        return pb.GuidedDecoding(ebnf_grammar=str(g["grammar"]), backend=backend)
-    if g.get("structural_tag") is not None:
-        tag = g["structural_tag"]
-        text = tag if isinstance(tag, str) else json.dumps(tag)
-        return pb.GuidedDecoding(structural_tag=text, backend=backend)
-    return None
-
-
-def _stopping(
-    stop: Mapping[str, Any], sampling: Mapping[str, Any], eos: set[int]
-) -> pb.StoppingOptions | None:
-    conditions: list[pb.StopCondition] = []
-    texts = stop.get("stop") or []
-    if isinstance(texts, str):
-        texts = [texts]
-    for text in texts:
-        if not isinstance(text, str):
-            invalid_argument("stop_conditions.stop must be strings")
-        conditions.append(pb.StopCondition(stop_text=text))
-    seen: set[int] = set()
-    for key in ("stop_token_ids", "stop_token_ids_hidden", "stop_token_ids_visible"):
-        for tid in _token_ids(stop.get(key) or [], f"stop_conditions.{key}"):
-            if tid not in eos and tid not in seen:
-                seen.add(tid)
-                conditions.append(pb.StopCondition(stop_token_id=tid))
-    fields: dict[str, Any] = {}
-    max_tokens = _uint(stop.get("max_tokens"), "stop_conditions.max_tokens")
-    if max_tokens is not None:
-        fields["max_tokens"] = max_tokens
-    min_tokens = _uint(stop.get("min_tokens"), "stop_conditions.min_tokens")
-    if min_tokens:
-        fields["min_tokens"] = min_tokens
-    if stop.get("ignore_eos") is not None:
-        fields["ignore_eos"] = bool(stop["ignore_eos"])
-    if sampling.get("include_stop_str_in_output"):
-        fields["include_stop_in_output"] = True
-    if conditions:
-        fields["conditions"] = conditions
-    return pb.StoppingOptions(**fields) if fields else None
-
-
-def _response(out: Mapping[str, Any]) -> pb.ResponseOptions | None:
-    fields: dict[str, Any] = {}
-    k = out.get("logprobs")
-    if k is not None and k is not False:
-        fields["return_output_logprobs"] = True
-        if int(k) > 0:
-            fields["output_candidates"] = pb.CandidateTokenSelection(top_n=int(k))
-    pk = out.get("prompt_logprobs")
-    if pk is not None and pk is not False:
-        fields["return_prompt_logprobs"] = True
-        if int(pk) > 0:
-            fields["prompt_candidates"] = pb.CandidateTokenSelection(top_n=int(pk))
-    return pb.ResponseOptions(**fields) if fields else None
 
 
 def _session_bytes(prefill_result: Any) -> bytes | None:
@@ -239,14 +133,6 @@ def _bootstrap_session(info: Any, card: WorkerCard, dp_rank: int | None) -> pb.K
     )
 
 
-def _multimodal(card: WorkerCard, model: str) -> MultimodalCard | None:
-    """The multimodal capabilities of the model a request names (``None``: unknown or none)."""
-    if model:
-        resolved = card.resolve(model)
-        return resolved.model.multimodal if resolved is not None else None
-    return card.models[0].multimodal if len(card.models) == 1 else None
-
-
 def to_generate_request(
     request: Mapping[str, Any],
     card: WorkerCard,
@@ -257,24 +143,31 @@ def to_generate_request(
     """Map one Dynamo request (see the module doc); raises :class:`Rejection` (INVALID_ARGUMENT)."""
     if not isinstance(request, Mapping):
         invalid_argument("the Dynamo request must be an object")
-    tokens = _token_ids(request.get("token_ids"), "token_ids")
+    tokens = token_id_list(request.get("token_ids"), "token_ids")
     sampling_opts = _dict(request.get("sampling_options"), "sampling_options")
     stop_opts = _dict(request.get("stop_conditions"), "stop_conditions")
     out_opts = _dict(request.get("output_options"), "output_options")
     routing = _dict(request.get("routing"), "routing")
-    eos = set(_token_ids(request.get("eos_token_ids") or [], "eos_token_ids"))
+    eos = frozenset(token_id_list(request.get("eos_token_ids") or [], "eos_token_ids"))
     model = request.get("model") or ""
     if not isinstance(model, str):
         invalid_argument("model must be a string")
-    media, media_options = media_request(request, _multimodal(card, model))
+    media, media_options = media_request(request, model_multimodal(card, model))
     req = pb.GenerateRequest(
         request_id=request_id,
         model=model,
         token_ids=pb.TokenIds(ids=list(tokens)),
-        sampling=_sampling(sampling_opts),
-        stopping=_stopping(stop_opts, sampling_opts, eos),
-        response=_response(out_opts),
-        guided=_guided(sampling_opts),
+        sampling=sampling_params(sampling_opts, "sampling_options."),
+        stopping=stopping_options(
+            stop_opts,
+            include_stop=bool(sampling_opts.get("include_stop_str_in_output")),
+            eos=eos,
+            prefix="stop_conditions.",
+        ),
+        response=response_options(out_opts.get("logprobs"), out_opts.get("prompt_logprobs")),
+        guided=guided_decoding(
+            _dict(sampling_opts.get("guided_decoding"), "sampling_options.guided_decoding")
+        ),
         media=media,
         media_options=media_options,
     )
@@ -285,10 +178,7 @@ def to_generate_request(
     priority = routing.get("priority")
     if isinstance(priority, int) and not isinstance(priority, bool) and priority != 0:
         metadata[PRIORITY] = str(priority)
-    for key in ("traceparent", "tracestate"):
-        value = (trace_headers or {}).get(key)
-        if value:
-            metadata[key] = value
+    metadata.update(trace_metadata(trace_headers))
     session_bytes = None
     if card.role == ROLE_DECODE:
         session_bytes = _session_bytes(request.get("prefill_result"))
@@ -309,17 +199,6 @@ def to_generate_request(
 
 
 # --------------------------------------------------------------------------- engine → Dynamo
-
-
-def _usage(u: pb.Usage) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.total_tokens,
-    }
-    if u.cached_prompt_tokens is not None:
-        out["prompt_tokens_details"] = {"cached_tokens": u.cached_prompt_tokens}
-    return out
 
 
 def _logprobs(tokens: Sequence[pb.TokenInfo]) -> tuple[list[float], list[list[dict[str, Any]]]] | None:
@@ -353,7 +232,7 @@ def chunk_of(ev: pb.GenerateResponse, kv_session_bytes: bytes | None = None) -> 
         if lp is not None:
             chunk["log_probs"], chunk["top_logprobs"] = lp
         if ev.usage is not None:
-            chunk["completion_usage"] = _usage(ev.usage)
+            chunk["completion_usage"] = usage_dict(ev.usage)
         return chunk
     finished = ev.finished
     if finished is not None:
@@ -363,7 +242,7 @@ def chunk_of(ev: pb.GenerateResponse, kv_session_bytes: bytes | None = None) -> 
             "finish_reason": _FINISH.get(finished.reason, "stop"),
         }
         if ev.usage is not None:
-            chunk["completion_usage"] = _usage(ev.usage)
+            chunk["completion_usage"] = usage_dict(ev.usage)
         return chunk
     ready = ev.prefill_ready
     if ready is not None:
@@ -376,7 +255,7 @@ def chunk_of(ev: pb.GenerateResponse, kv_session_bytes: bytes | None = None) -> 
             "disaggregated_params": {KV_SESSION_KEY: base64.b64encode(raw).decode("ascii")},
         }
         if ev.usage is not None:
-            chunk["completion_usage"] = _usage(ev.usage)
+            chunk["completion_usage"] = usage_dict(ev.usage)
         return chunk
     return None
 
@@ -416,17 +295,9 @@ class ChunkMerger:
 
 # --------------------------------------------------------------------------- outcomes
 
+
 #: How a stream that did not complete is reported to Dynamo: the exception class name in
 #: ``dynamo.llm.exceptions`` (``None``: end the stream quietly).
-_CLIENT_CODES = {
-    pb.ErrorCode.INVALID_ARGUMENT,
-    pb.ErrorCode.MODEL_NOT_FOUND,
-    pb.ErrorCode.UNSUPPORTED_FEATURE,
-    pb.ErrorCode.ROLE_MISMATCH,
-    pb.ErrorCode.DUPLICATE_REQUEST,
-}
-
-
 def error_kind(outcome: Outcome, *, dynamo_cancelled: bool) -> str | None:
     """Name of the ``dynamo.llm.exceptions`` class to raise for ``outcome`` (``None``: none).
 
@@ -438,7 +309,7 @@ def error_kind(outcome: Outcome, *, dynamo_cancelled: bool) -> str | None:
         return None
     if outcome.kind == CANCELLED and dynamo_cancelled:
         return None
-    if outcome.code in _CLIENT_CODES:
+    if outcome.code in CLIENT_CODES:
         return "InvalidArgument"
     if outcome.code in (pb.ErrorCode.DRAINING, pb.ErrorCode.OVERLOADED):
         return "EngineShutdown"

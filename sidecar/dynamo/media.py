@@ -40,9 +40,6 @@ cannot be recovered. Nothing is ever dropped.
 
 from __future__ import annotations
 
-import base64
-import binascii
-import hashlib
 import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -50,6 +47,7 @@ from typing import Any
 
 from sidecar.core.card import MultimodalCard
 from sidecar.core.errors import invalid_argument, unsupported
+from sidecar.core.request_options import media_item, source_uuid
 from sidecar.openengine import pb
 
 __all__ = ["MAX_MEDIA_ITEMS", "MODALITY_KEYS", "media_request", "routing_uuid"]
@@ -139,27 +137,6 @@ def _hashes(extra: Mapping[str, Any], counts: Counter[str]) -> dict[str, list[st
     return out
 
 
-def _data_uri_bytes(uri: str, name: str) -> tuple[bytes, str]:
-    head, sep, payload = uri[len("data:") :].partition(",")
-    params = head.split(";")
-    if not sep or "base64" not in params[1:]:
-        invalid_argument(f"{name}: only base64 data URIs can be passed as raw bytes")
-    try:
-        return base64.b64decode(payload, validate=True), params[0]
-    except (binascii.Error, ValueError):
-        invalid_argument(f"{name}: the data URI is not valid base64")
-
-
-def _item(key: str, url: str, uuid: str, mm: MultimodalCard | None) -> pb.MediaItem:
-    modality, name = MODALITY_KEYS[key]
-    if not url.startswith("data:"):
-        return pb.MediaItem(modality=modality, url=url, uuid=uuid)
-    if mm is not None and "data_uri" not in mm.source_types and "raw_bytes" in mm.source_types:
-        raw, mime = _data_uri_bytes(url, name)
-        return pb.MediaItem(modality=modality, raw_bytes=raw, mime_type=mime, uuid=uuid)
-    return pb.MediaItem(modality=modality, data_uri=url, uuid=uuid)
-
-
 def _media_options(kwargs: Any, keys: Sequence[str]) -> pb.Struct | None:
     if not kwargs:
         return None
@@ -217,6 +194,7 @@ def media_request(
         taken[key] += 1
         url = lists[key][i]
         routed = hashes.get(key)
-        uuid = routing_uuid(routed[i]) if routed else "sha256:" + hashlib.sha256(url.encode()).hexdigest()
-        items.append(_item(key, url, uuid, mm))
+        uuid = routing_uuid(routed[i]) if routed else source_uuid(url)
+        modality, name = MODALITY_KEYS[key]
+        items.append(media_item(modality, name, url, uuid, mm))
     return items, _media_options(request.get("mm_processor_kwargs"), order)

@@ -33,12 +33,21 @@ import hypercorn.trio.run
 import hypercorn.trio.tcp_server
 import trio
 from hypercorn.config import Config, Sockets
-from hypercorn.events import Closed, Event, Updated
+from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol import ProtocolWrapper
+from hypercorn.protocol.events import Event as StreamEvent
+from hypercorn.protocol.events import StreamClosed
 from hypercorn.protocol.h11 import H2ProtocolAssumedError, H11Protocol
 from hypercorn.trio.run import worker_serve
 from hypercorn.trio.tcp_server import TCPServer
-from hypercorn.typing import AppWrapper, ASGIFramework, ConnectionState, TaskGroup, WorkerContext
+from hypercorn.typing import (
+    AppWrapper,
+    ASGIFramework,
+    ConnectionState,
+    H11SendableEvent,
+    TaskGroup,
+    WorkerContext,
+)
 from hypercorn.utils import wrap_app
 from starlette.types import ASGIApp
 
@@ -66,7 +75,13 @@ __all__ = [
 #: Module globals of hypercorn's trio worker that :func:`install` replaces (module, name).
 MODULE_NAMES = (("hypercorn.trio.tcp_server", "ProtocolWrapper"), ("hypercorn.trio.run", "TCPServer"))
 #: Methods of hypercorn classes overridden here (class, name); ``_check_protocol`` is private.
-OVERRIDDEN = ((TCPServer, "run"), (TCPServer, "protocol_send"), (H11Protocol, "_check_protocol"))
+OVERRIDDEN = (
+    (TCPServer, "run"),
+    (TCPServer, "protocol_send"),
+    (H11Protocol, "_check_protocol"),
+    (H11Protocol, "_send_h11_event"),
+    (H11Protocol, "stream_send"),
+)
 #: Attributes of a ``ProtocolWrapper`` that :class:`GuardedProtocol` passes to its protocol
 #: (set from the constructor parameters of the same names).
 WRAPPER_STATE = ("app", "config", "context", "task_group", "state", "ssl", "client", "server", "send")
@@ -110,14 +125,19 @@ def describe_failure(exc: BaseException) -> str:
 
 
 class HypercornConfig(Config):
-    """hypercorn's config, plus the listener's connection table (read by :class:`CountedServer`)."""
+    """hypercorn's config, plus the listener's connection table and write timeout (read by
+    :class:`CountedServer`)."""
 
     connections: HttpConnections | None = None
+    #: A write the client has taken nothing of for this long closes the connection (None: never).
+    write_timeout: float | None = None
 
 
 class CountedServer(TCPServer):
     """One accepted connection, counted in the listener's :class:`HttpConnections` from the
-    accept (before a TLS handshake) to the close; its requests mark it busy, their ends idle."""
+    accept (before a TLS handshake) to the close; its requests mark it busy, their ends idle.
+    With the config's ``write_timeout``, a write still waiting for the client after it closes
+    the connection (the app sees ``http.disconnect``): hypercorn's own writes wait forever."""
 
     async def run(self) -> None:
         table: HttpConnections | None = getattr(self.config, "connections", None)
@@ -139,11 +159,52 @@ class CountedServer(TCPServer):
         table: HttpConnections | None = getattr(self.config, "connections", None)
         if table is not None and isinstance(event, Updated):
             table.busy(self, not event.idle)
-        await super().protocol_send(event)
+        timeout: float | None = getattr(self.config, "write_timeout", None)
+        if timeout is None or not isinstance(event, RawData):
+            await super().protocol_send(event)
+            return
+        async with self.send_lock:
+            # as hypercorn's: never cut by the caller's cancellation (a partial write would
+            # garble the connection), but bounded by its own deadline
+            with trio.CancelScope(shield=True, deadline=trio.current_time() + timeout) as scope:
+                try:
+                    await self.stream.send_all(event.data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    await self.protocol.handle(Closed())
+                    return
+        if scope.cancelled_caught:
+            peer = getattr(self, "peer", None)
+            log.warning(
+                "client %s took nothing for %.0fs: connection closed", peer.address if peer else "?", timeout
+            )
+            await trio.aclose_forcefully(self.stream)
+            await self.protocol.handle(Closed())
 
 
 class Http11Only(H11Protocol):
-    """HTTP/1.1 without its two ways into HTTP/2."""
+    """HTTP/1.1 without its two ways into HTTP/2; a response's head leaves with its first body
+    bytes (one write, not two: hypercorn writes the head as soon as the app starts the response)."""
+
+    _held = b""
+
+    async def _send_h11_event(self, event: H11SendableEvent) -> None:
+        try:
+            data = self.connection.send(event)
+        except h11.LocalProtocolError:
+            if self.connection.their_state != h11.ERROR:
+                raise
+            return
+        if isinstance(event, h11.Response):
+            self._held += data
+            return
+        held, self._held = self._held, b""
+        await self.send(RawData(data=held + data))
+
+    async def stream_send(self, event: StreamEvent) -> None:
+        if isinstance(event, StreamClosed) and self._held:  # a head with no body after it
+            held, self._held = self._held, b""
+            await self.send(RawData(data=held))
+        await super().stream_send(event)
 
     async def _check_protocol(self, event: h11.Request) -> None:
         if event.method == b"PRI" and event.target == b"*" and event.http_version == b"2.0":

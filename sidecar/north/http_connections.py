@@ -40,8 +40,10 @@ class Tracked(Protocol):
 class HttpConnections:
     """The open connections of one HTTP listener (0: no limit)."""
 
-    def __init__(self, max_connections: int = 0, max_connections_per_peer: int = 0) -> None:
-        self.limits = PeerLimits(max_connections, max_connections_per_peer, prefix="http_")
+    def __init__(
+        self, max_connections: int = 0, max_connections_per_peer: int = 0, *, prefix: str = "http_"
+    ) -> None:
+        self.limits = PeerLimits(max_connections, max_connections_per_peer, prefix=prefix)
         self._open: set[Tracked] = set()
         # idle connections, longest idle first: those that never completed a request, the others
         self._silent: dict[Tracked, None] = {}

@@ -67,6 +67,11 @@ class HttpLimits:
     #: Open connections in total and per peer address (0: no limit; see http_connections).
     max_connections: int = 128
     max_connections_per_peer: int = 16
+    #: Before the connection limits' names (``limit`` label of the refusals): ``http_``, ``openai_``.
+    prefix: str = "http_"
+    #: A response write the client takes nothing of for this long closes the connection
+    #: (None: never; the OpenAI listener's is ``--stall-timeout``).
+    write_timeout: float | None = None
 
 
 def _limit_headers(app: ASGIApp, max_bytes: int) -> ASGIApp:
@@ -87,7 +92,9 @@ def _limit_headers(app: ASGIApp, max_bytes: int) -> ASGIApp:
 
 def _config(bind: str, certfile: str | None, keyfile: str | None, limits: HttpLimits) -> HypercornConfig:
     config = HypercornConfig()
-    config.connections = HttpConnections(limits.max_connections, limits.max_connections_per_peer)
+    config.connections = HttpConnections(
+        limits.max_connections, limits.max_connections_per_peer, prefix=limits.prefix
+    )
     config.bind = [bind]
     config.accesslog = None
     config.errorlog = None
@@ -96,6 +103,7 @@ def _config(bind: str, certfile: str | None, keyfile: str | None, limits: HttpLi
     config.ssl_handshake_timeout = limits.handshake_timeout
     config.keep_alive_timeout = limits.idle_timeout
     config.h11_max_incomplete_size = limits.max_header_bytes
+    config.write_timeout = limits.write_timeout
     if certfile:
         config.certfile, config.keyfile = certfile, keyfile
     return config

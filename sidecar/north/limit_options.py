@@ -22,6 +22,7 @@ from sidecar.cli_options import option
 from sidecar.core.lifecycle import LifecycleConfig
 from sidecar.core.sidecar import SidecarConfig
 from sidecar.north.http_server import HttpLimits
+from sidecar.north.openai.routes import OpenAIConfig
 from sidecar.north.ws_server import WsConfig
 from sidecar.openengine.message_limits import EngineLimits
 
@@ -139,6 +140,20 @@ def apply_limit_options(values: Mapping[str, Any], ws: WsConfig, config: Sidecar
         config.engine_limits,
         max_event_bytes=values["engine_max_event_bytes"],
         max_answer_bytes=values["engine_max_answer_bytes"],
+    )
+
+
+def openai_config(values: Mapping[str, Any], ws: WsConfig) -> OpenAIConfig:
+    """The OpenAI front's settings from ``run``'s flags and the WebSocket plane's limits (set by
+    :func:`apply_limit_options` first): the body is bounded like a WebSocket message, must
+    arrive within the handshake timeout; open requests per client address are the WebSocket
+    streams' share (the listener's stall timeout: ``run_command._openai_limits``)."""
+    return OpenAIConfig(
+        auth_token=ws.auth_token,
+        max_body_bytes=ws.max_message_size,
+        body_timeout=ws.handshake_timeout,
+        max_streams_per_peer=ws.max_streams_per_peer,
+        chat_template=values["chat_template"],
     )
 
 

@@ -53,6 +53,7 @@ def named_port(container: dict[str, Any], port: int | str) -> int:
 
 def test_every_engine_and_mode_has_both_flavours() -> None:
     expected = {K8S / kind / f"{e}-{m}.yaml" for kind in ("dynamo", "plain") for e in ENGINES for m in MODES}
+    expected |= {K8S / "gie" / f"{e}-agg.yaml" for e in ENGINES}  # GIE: aggregated engines
     assert set(FILES) == expected
 
 
@@ -85,6 +86,36 @@ def test_dynamo_graph_deployment(path: Path) -> None:
     assert graph["spec"]["backendFramework"] == path.stem.split("-")[0]
 
 
+@pytest.mark.parametrize("path", [p for p in FILES if p.parent.name == "gie"], ids=lambda p: p.name)
+def test_gie_inference_pool_selects_the_sidecar_pods(path: Path) -> None:
+    """GIE's InferencePool (inference.networking.k8s.io/v1) selects the Deployment's pods on the
+    OpenAI front's port, names its endpoint picker, and an HTTPRoute sends a Gateway's traffic to it."""
+    docs = load(path)
+    assert {d["kind"] for d in docs} <= {"Deployment", "Service", "ConfigMap", "InferencePool", "HTTPRoute"}
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    (pool,) = [d for d in docs if d["kind"] == "InferencePool"]
+    (route,) = [d for d in docs if d["kind"] == "HTTPRoute"]
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    spec = pool["spec"]
+    assert set(spec) <= {"selector", "targetPorts", "appProtocol", "endpointPickerRef"}
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert spec["selector"]["matchLabels"] and spec["selector"]["matchLabels"].items() <= labels.items()
+    (main,) = dep["spec"]["template"]["spec"]["containers"]
+    assert [p["number"] for p in spec["targetPorts"]] == [named_port(main, "openai")]
+    epp = spec["endpointPickerRef"]
+    assert (
+        epp["name"]
+        and 1 <= epp["port"]["number"] <= 65535
+        and epp["failureMode"] in ("FailOpen", "FailClose")
+    )
+    assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
+    refs = [r for rule in route["spec"]["rules"] for r in rule["backendRefs"]]
+    assert refs == [
+        {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": pool["metadata"]["name"]}
+    ]
+    assert route["spec"]["parentRefs"][0]["kind"] == "Gateway"
+
+
 @pytest.mark.parametrize("path", [p for p in FILES if p.parent.name == "plain"], ids=lambda p: p.name)
 def test_plain_deployments_and_services(path: Path) -> None:
     docs = load(path)
@@ -108,11 +139,18 @@ def test_engine_pod(path: Path) -> None:
     pods = engine_pods(docs)
     assert sorted(r for r, _ in pods) == (["worker"] if path.stem.endswith("-agg") else ["decode", "prefill"])
     config_maps = {d["metadata"]["name"] for d in docs if d["kind"] == "ConfigMap"}
+    extra = {"openai": GIE_PORT} if path.parent.name == "gie" else {}
     for role, pod in pods:
-        check_pod(engine_key, role, pod, config_maps)
+        check_pod(engine_key, role, pod, config_maps, extra)
 
 
-def check_pod(engine_key: str, role: str, pod: dict[str, Any], config_maps: set[str]) -> None:
+#: The OpenAI front's port in the GIE manifests.
+GIE_PORT = 8000
+
+
+def check_pod(
+    engine_key: str, role: str, pod: dict[str, Any], config_maps: set[str], extra_ports: dict[str, int]
+) -> None:
     (engine,) = pod["initContainers"]
     (main,) = pod["containers"]
     assert engine["name"] == "engine" and main["name"] == "main"
@@ -138,7 +176,9 @@ def check_pod(engine_key: str, role: str, pod: dict[str, Any], config_maps: set[
     ):
         get = main[probe]["httpGet"]
         assert get["path"] == path and named_port(main, get["port"]) == ports["http"], probe
-    assert {p["name"]: p["containerPort"] for p in main["ports"]} == ports
+    assert {p["name"]: p["containerPort"] for p in main["ports"]} == {**ports, **extra_ports}
+    if "openai" in extra_ports:
+        assert port_of(env[env_name("--openai-listen")]) == extra_ports["openai"]
     # Drain fits in the grace period.
     drain = float(env.get(env_name("--drain-timeout"), run_default("drain_timeout")))
     dynamo = env.get(env_name("--dynamo")) == "true"

