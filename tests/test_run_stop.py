@@ -52,7 +52,7 @@ async def test_leave_is_the_first_step_then_the_drain(autojump_clock: trio.testi
     send, signals = trio.open_memory_channel[int](1)
     async with send:
         start = trio.current_time()
-        await _stop(sc, North(log), Plane(sc, log), signals, signal.SIGTERM)  # type: ignore[arg-type]
+        await _stop(sc, North(log), Plane(sc, log), None, signals, signal.SIGTERM)  # type: ignore[arg-type]
     assert log == ["leave (draining=False)", "left", "north closed"]  # still serving while leaving
     assert sc.draining
     assert trio.current_time() - start == GRACE  # nothing in flight: the drain ends at once
@@ -69,7 +69,7 @@ async def test_a_second_signal_while_leaving_stops_at_once(autojump_clock: trio.
             await send.send(signal.SIGINT)
 
         nursery.start_soon(second)
-        await _stop(sc, North(log), Plane(sc, log), signals, signal.SIGTERM)  # type: ignore[arg-type]
+        await _stop(sc, North(log), Plane(sc, log), None, signals, signal.SIGTERM)  # type: ignore[arg-type]
         took = trio.current_time() - start
     assert log == ["leave (draining=False)", "north closed"]  # the grace cut short, no drain
     assert sc.draining

@@ -13,7 +13,7 @@ import pytest
 from sidecar.bench import analysis, report
 from sidecar.bench.openai_bench import _compare
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.subprocess
 
 
 def test_a_quick_openai_run(tmp_path: Path) -> None:

@@ -38,8 +38,6 @@ from tests.e2e.harness import (
     wait_engine_idle,
 )
 
-pytestmark = pytest.mark.slow
-
 MODEL = "Qwen/Qwen3-0.6B"
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 

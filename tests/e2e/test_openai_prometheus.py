@@ -10,14 +10,11 @@ from typing import Any
 
 import httpx
 import openai
-import pytest
 import trio
 
 from tests.e2e.harness import eventually, spawn_argv, wait_engine_idle
 from tests.e2e.test_openai import MODEL, client, front
 from tests.prereq import require_tool
-
-pytestmark = pytest.mark.slow
 
 GIE_GAUGES = (
     "vllm:num_requests_waiting",
