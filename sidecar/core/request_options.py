@@ -19,11 +19,11 @@ import binascii
 import hashlib
 import json
 from collections.abc import Mapping
-from typing import Any
 
 from sidecar.core.card import MultimodalCard, WorkerCard
 from sidecar.core.errors import invalid_argument
 from sidecar.core.metadata import TRACEPARENT, TRACESTATE
+from sidecar.json_types import JSONObject
 from sidecar.openengine import pb
 
 __all__ = [
@@ -53,17 +53,9 @@ CLIENT_CODES = frozenset(
         pb.ErrorCode.DUPLICATE_REQUEST,
     }
 )
-_SAMPLING_FLOATS = (
-    "temperature",
-    "top_p",
-    "min_p",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-)
 
 
-def uint32(value: Any, what: str) -> int | None:
+def uint32(value: object, what: str) -> int | None:
     """``value`` as an unsigned 32-bit integer (``None`` stays ``None``)."""
     if value is None:
         return None
@@ -72,7 +64,7 @@ def uint32(value: Any, what: str) -> int | None:
     return value
 
 
-def token_id_list(value: Any, what: str) -> list[int]:
+def token_id_list(value: object, what: str) -> list[int]:
     """``value`` as a list of token ids (unsigned 32-bit integers)."""
     if not isinstance(value, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_U32 for t in value
@@ -81,39 +73,65 @@ def token_id_list(value: Any, what: str) -> list[int]:
     return value
 
 
-def sampling_params(opts: Mapping[str, Any], prefix: str = "") -> pb.SamplingParams | None:
+def _number(value: object, what: str) -> float | None:
+    """``value`` as a float (an integer is taken too); ``None`` stays ``None``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        invalid_argument(f"{what} must be a number")
+    return float(value)
+
+
+def _integer(value: object, what: str) -> int | None:
+    """``value`` as an integer of any size; ``None`` stays ``None``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        invalid_argument(f"{what} must be an integer")
+    return value
+
+
+def _positive_top_k(top_k: int | None) -> int | None:
+    """A ``top_k`` above 0 (capped to the field's int32); 0 or below: unset."""
+    return min(top_k, 2**31 - 1) if top_k is not None and top_k > 0 else None
+
+
+def _seed(seed: int | None) -> int | None:
+    """A seed as the field's uint64 (modulo 2**64)."""
+    return seed & (2**64 - 1) if seed is not None else None
+
+
+def sampling_params(opts: Mapping[str, object], prefix: str = "") -> pb.SamplingParams | None:
     """``temperature``, ``top_p``, ``min_p``, the penalties, ``top_k`` (≤ 0: unset), ``seed``
     (taken modulo 2**64) and ``n`` (→ ``num_sequences``); ``None`` when none is set."""
-    fields: dict[str, Any] = {}
-    for name in _SAMPLING_FLOATS:
-        v = opts.get(name)
-        if v is not None:
-            if isinstance(v, bool) or not isinstance(v, int | float):
-                invalid_argument(f"{prefix}{name} must be a number")
-            fields[name] = float(v)
-    top_k = opts.get("top_k")
-    if top_k is not None:
-        if isinstance(top_k, bool) or not isinstance(top_k, int):
-            invalid_argument(f"{prefix}top_k must be an integer")
-        if top_k > 0:
-            fields["top_k"] = min(top_k, 2**31 - 1)
-    seed = opts.get("seed")
-    if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            invalid_argument(f"{prefix}seed must be an integer")
-        fields["seed"] = seed & (2**64 - 1)
-    n = uint32(opts.get("n"), f"{prefix}n")
-    if n is not None:
-        fields["num_sequences"] = n
-    return pb.SamplingParams(**fields) if fields else None
+
+    def number(name: str) -> float | None:
+        return _number(opts.get(name), prefix + name)
+
+    def integer(name: str) -> int | None:
+        return _integer(opts.get(name), prefix + name)
+
+    # checked in this order: the first malformed option is the one named
+    params = pb.SamplingParams(
+        temperature=number("temperature"),
+        top_p=number("top_p"),
+        min_p=number("min_p"),
+        frequency_penalty=number("frequency_penalty"),
+        presence_penalty=number("presence_penalty"),
+        repetition_penalty=number("repetition_penalty"),
+        top_k=_positive_top_k(integer("top_k")),
+        seed=_seed(integer("seed")),
+        num_sequences=uint32(opts.get("n"), prefix + "n"),
+    )
+    return params if params != pb.SamplingParams() else None
 
 
-def _text(value: Any) -> str:
+def _text(value: object) -> str:
     """A guide given as an object (a JSON schema, a structural tag) or as its JSON text."""
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def guided_decoding(g: Mapping[str, Any]) -> pb.GuidedDecoding | None:
+def guided_decoding(g: Mapping[str, object]) -> pb.GuidedDecoding | None:
     """One guide of ``json`` (a schema, object or text), ``json_object`` (true), ``regex``,
     ``choice``, ``grammar`` (EBNF) or ``structural_tag``, with ``backend``; ``None``: none."""
     backend = g.get("backend") or ""
@@ -140,7 +158,7 @@ def guided_decoding(g: Mapping[str, Any]) -> pb.GuidedDecoding | None:
 
 
 def stopping_options(
-    stop: Mapping[str, Any],
+    stop: Mapping[str, object],
     *,
     include_stop: bool = False,
     eos: frozenset[int] = frozenset(),
@@ -165,23 +183,18 @@ def stopping_options(
             if tid not in eos and tid not in seen:
                 seen.add(tid)
                 conditions.append(pb.StopCondition(stop_token_id=tid))
-    fields: dict[str, Any] = {}
-    max_tokens = uint32(stop.get("max_tokens"), f"{prefix}max_tokens")
-    if max_tokens is not None:
-        fields["max_tokens"] = max_tokens
-    min_tokens = uint32(stop.get("min_tokens"), f"{prefix}min_tokens")
-    if min_tokens:
-        fields["min_tokens"] = min_tokens
-    if stop.get("ignore_eos") is not None:
-        fields["ignore_eos"] = bool(stop["ignore_eos"])
-    if include_stop:
-        fields["include_stop_in_output"] = True
-    if conditions:
-        fields["conditions"] = conditions
-    return pb.StoppingOptions(**fields) if fields else None
+    ignore_eos = stop.get("ignore_eos")
+    options = pb.StoppingOptions(
+        max_tokens=uint32(stop.get("max_tokens"), f"{prefix}max_tokens"),
+        min_tokens=uint32(stop.get("min_tokens"), f"{prefix}min_tokens") or None,
+        ignore_eos=bool(ignore_eos) if ignore_eos is not None else None,
+        include_stop_in_output=True if include_stop else None,
+        conditions=conditions,
+    )
+    return options if options != pb.StoppingOptions() else None
 
 
-def _logprob_count(value: Any, what: str) -> int | None:
+def _logprob_count(value: object, what: str) -> int | None:
     """``None`` / ``False``: not asked; ``True``: asked, no candidates; else the candidates."""
     if value is None or value is False:
         return None
@@ -192,26 +205,28 @@ def _logprob_count(value: Any, what: str) -> int | None:
     return n
 
 
-def response_options(logprobs: Any = None, prompt_logprobs: Any = None) -> pb.ResponseOptions | None:
+def _candidates(count: int | None) -> pb.CandidateTokenSelection | None:
+    return pb.CandidateTokenSelection(top_n=count) if count else None
+
+
+def response_options(logprobs: object = None, prompt_logprobs: object = None) -> pb.ResponseOptions | None:
     """Output (and prompt) logprobs: a count asks for them with that many ``top_n`` candidates
     (0 or ``True``: the chosen token's only); ``None`` when neither is asked."""
-    fields: dict[str, Any] = {}
     k = _logprob_count(logprobs, "logprobs")
-    if k is not None:
-        fields["return_output_logprobs"] = True
-        if k > 0:
-            fields["output_candidates"] = pb.CandidateTokenSelection(top_n=k)
     pk = _logprob_count(prompt_logprobs, "prompt_logprobs")
-    if pk is not None:
-        fields["return_prompt_logprobs"] = True
-        if pk > 0:
-            fields["prompt_candidates"] = pb.CandidateTokenSelection(top_n=pk)
-    return pb.ResponseOptions(**fields) if fields else None
+    if k is None and pk is None:
+        return None
+    return pb.ResponseOptions(
+        return_output_logprobs=True if k is not None else None,
+        output_candidates=_candidates(k),
+        return_prompt_logprobs=True if pk is not None else None,
+        prompt_candidates=_candidates(pk),
+    )
 
 
-def usage_dict(u: pb.Usage) -> dict[str, Any]:
+def usage_dict(u: pb.Usage) -> JSONObject:
     """OpenAI's ``usage`` object (Dynamo's ``completion_usage`` is the same)."""
-    out: dict[str, Any] = {
+    out: JSONObject = {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.total_tokens,
