@@ -33,12 +33,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import jinja2
 import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from sidecar.json_types import JSONObject
 
 __all__ = [
     "MAX_FILE_BYTES",
@@ -75,8 +77,19 @@ def _raise(message: str) -> NoReturn:
     raise jinja2.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, **kw: Any) -> str:
-    separators = kw.get("separators")
+def _tojson(value: object, ensure_ascii: bool = False, indent: int | None = None, **kw: object) -> str:
+    """The ``tojson`` filter (Hugging Face's: not HTML-escaped). A bad argument is a
+    ``TypeError`` (the render's error, as ``json.dumps`` raises)."""
+    given = kw.get("separators")
+    separators: tuple[str, str] | None = None
+    if given is not None:
+        if (
+            not isinstance(given, tuple | list)
+            or len(given) != 2
+            or not all(isinstance(x, str) for x in given)
+        ):
+            raise TypeError("tojson separators must be two strings")
+        separators = (given[0], given[1])
     sort_keys = bool(kw.get("sort_keys", False))
     return json.dumps(
         value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
@@ -132,14 +145,14 @@ class ChatTemplate:
 
     def render(
         self,
-        messages: Sequence[Mapping[str, Any]],
+        messages: Sequence[Mapping[str, object]],
         *,
         add_generation_prompt: bool = True,
-        extra: Mapping[str, Any] | None = None,
+        extra: Mapping[str, object] | None = None,
     ) -> str:
         """The prompt text; :class:`TemplateRenderError` when the template fails on them."""
         assert self._compiled is not None
-        variables: dict[str, Any] = dict(extra or {})
+        variables: dict[str, object] = dict(extra or {})
         variables.update(self.special_tokens)
         variables["messages"] = messages
         variables["add_generation_prompt"] = add_generation_prompt
@@ -195,7 +208,7 @@ def find_template_files(source: str) -> Path | None:
     return _hub_snapshot(source)
 
 
-def _special_tokens(config: Mapping[str, Any]) -> dict[str, str]:
+def _special_tokens(config: Mapping[str, object]) -> dict[str, str]:
     out: dict[str, str] = {}
     for key in _SPECIAL:
         value = config.get(key)
@@ -206,7 +219,7 @@ def _special_tokens(config: Mapping[str, Any]) -> dict[str, str]:
     return out
 
 
-def _config_template(config: Mapping[str, Any]) -> str | None:
+def _config_template(config: Mapping[str, object]) -> str | None:
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
@@ -225,7 +238,7 @@ def load_chat_template(source: str, override: str | None = None) -> ChatTemplate
     """The template of the tokenizer at ``source`` (module doc), ``override`` (a file) first;
     ``None`` when there is none. A file that does not compile is logged and skipped."""
     directory = find_template_files(source)
-    config: dict[str, Any] = {}
+    config: JSONObject = {}
     if directory is not None:
         text = _read(directory / "tokenizer_config.json")
         try:

@@ -13,7 +13,7 @@ message (it names the field: ``Expected `float`, got `str` - at `$.temperature``
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal, TypeVar
 
 import msgspec
 
@@ -40,6 +40,8 @@ MAX_PARTS = 1024
 #: Most token ids in a prompt given as ids.
 MAX_PROMPT_IDS = 1 << 20
 
+_Request = TypeVar("_Request", bound="GenerationFields")
+
 
 class BadRequest(ValueError):
     """A body that is not a valid request; ``param`` names the field when known."""
@@ -57,7 +59,7 @@ class StreamOptions(msgspec.Struct, kw_only=True):
 
 class JsonSchemaSpec(msgspec.Struct, kw_only=True):
     name: str = ""
-    schema: dict[str, Any] | bool | None = None
+    schema: dict[str, object] | bool | None = None
     strict: bool | None = None
     description: str | None = None
 
@@ -70,12 +72,12 @@ class ResponseFormat(msgspec.Struct, kw_only=True):
 class StructuredOutputs(msgspec.Struct, kw_only=True):
     """vLLM's ``structured_outputs`` extension: one guide."""
 
-    json: dict[str, Any] | str | None = None
+    json: dict[str, object] | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    structural_tag: dict[str, Any] | str | None = None
+    structural_tag: dict[str, object] | str | None = None
 
 
 class GenerationFields(msgspec.Struct, kw_only=True):
@@ -108,7 +110,7 @@ class GenerationFields(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None
-    guided_json: dict[str, Any] | str | None = None
+    guided_json: dict[str, object] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
@@ -121,7 +123,7 @@ class CompletionRequest(GenerationFields, kw_only=True):
     """``POST /v1/completions``: one prompt (text, or token ids)."""
 
     #: Text, token ids, or a list of either (one element: ``request_map`` takes one prompt).
-    prompt: str | list[Any]
+    prompt: str | list[object]
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -131,15 +133,15 @@ class ChatRequest(GenerationFields, kw_only=True):
     """``POST /v1/chat/completions``. Messages stay plain objects (the chat template reads them
     as they are); ``request_map`` checks their shape."""
 
-    messages: list[dict[str, Any]]
+    messages: list[dict[str, object]]
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[dict[str, object]] | None = None
+    tool_choice: object = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, object] | None = None
     # vLLM's name of the same switch as continue_final_message's opposite: echo the last message
     echo: bool = False
 
@@ -156,7 +158,7 @@ def _param(message: str) -> str | None:
     return where.rstrip("`").split("[", 1)[0].split(".", 1)[0] or None
 
 
-def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
+def _decode(decoder: msgspec.json.Decoder[_Request], body: bytes) -> _Request:
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as err:
@@ -172,32 +174,32 @@ def _check_stops(req: GenerationFields) -> None:
         raise BadRequest(f"at most {MAX_STOPS} stop token ids", "stop_token_ids")
 
 
-def _is_id(value: Any) -> bool:
+def _is_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**32
 
 
 def decode_completion(body: bytes) -> CompletionRequest:
     """A Completions body; :class:`BadRequest` for anything malformed."""
-    req: CompletionRequest = _decode(_completion, body)
+    req = _decode(_completion, body)
     _check_stops(req)
     prompt = req.prompt
     if isinstance(prompt, list):
         if all(_is_id(t) for t in prompt):
-            ids = [prompt]
+            longest = len(prompt)
         elif all(isinstance(p, str) for p in prompt):
-            ids = []
+            longest = 0
         elif all(isinstance(p, list) and all(_is_id(t) for t in p) for p in prompt):
-            ids = prompt
+            longest = max((len(p) for p in prompt if isinstance(p, list)), default=0)
         else:
             raise BadRequest("prompt must be a string, token ids, or a list of either", "prompt")
-        if any(len(p) > MAX_PROMPT_IDS for p in ids):
+        if longest > MAX_PROMPT_IDS:
             raise BadRequest(f"a prompt has more than {MAX_PROMPT_IDS} token ids", "prompt")
     return req
 
 
 def decode_chat(body: bytes) -> ChatRequest:
     """A Chat Completions body; :class:`BadRequest` for anything malformed."""
-    req: ChatRequest = _decode(_chat, body)
+    req = _decode(_chat, body)
     _check_stops(req)
     if not req.messages:
         raise BadRequest("messages must not be empty", "messages")

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from sidecar.core.card import MultimodalCard, WorkerCard
 from sidecar.core.errors import invalid_argument, model_not_found, unsupported
@@ -95,7 +94,7 @@ def _request_id(headers: Mapping[str, str], body_id: str | None) -> str:
 
 
 def _one_guide(req: GenerationFields) -> pb.GuidedDecoding | None:
-    guides: list[dict[str, Any]] = []
+    guides: list[dict[str, object]] = []
     fmt = req.response_format
     if fmt is not None and fmt.type == "json_object":
         guides.append({"json_object": True})
@@ -106,7 +105,7 @@ def _one_guide(req: GenerationFields) -> pb.GuidedDecoding | None:
         guides.append({"json": spec.schema})
     so = req.structured_outputs
     if so is not None:
-        one: dict[str, Any] = {
+        one: dict[str, object] = {
             k: v for k, v in (("json", so.json), ("regex", so.regex), ("choice", so.choice)) if v is not None
         }
         one.update({k: v for k, v in (("grammar", so.grammar), ("structural_tag", so.structural_tag)) if v})
@@ -191,21 +190,27 @@ def _request(
     )
 
 
+def _one_prompt(prompt: object) -> str | list[int]:
+    """The prompt of a Completions request: text or token ids, alone or as a list of one
+    (``decode_completion`` checked that a list holds token ids, texts, or lists of ids)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            invalid_argument("one prompt per request (send several requests)")
+        prompt = prompt[0]
+    if not isinstance(prompt, str | list):
+        invalid_argument("prompt must be a string or token ids")
+    if not prompt:
+        invalid_argument("prompt must not be empty")
+    return prompt
+
+
 def map_completion(req: CompletionRequest, card: WorkerCard, headers: Mapping[str, str]) -> MappedRequest:
     """A Completions request (module doc); raises :class:`~sidecar.core.errors.Rejection`."""
     if req.echo:
         unsupported("echo is not supported by this front")
     if req.suffix:
         unsupported("suffix is not supported by this front")
-    prompt: Any = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:
-            invalid_argument("one prompt per request (send several requests)")
-        prompt = prompt[0]
-    if isinstance(prompt, str) and not prompt:
-        invalid_argument("prompt must not be empty")
-    if isinstance(prompt, list) and not prompt:
-        invalid_argument("prompt must not be empty")
+    prompt = _one_prompt(req.prompt)
     max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
     mapped = _request(req, card, headers, max_tokens=max_tokens, logprobs=req.logprobs, media=[])
     if isinstance(prompt, str):
@@ -215,7 +220,7 @@ def map_completion(req: CompletionRequest, card: WorkerCard, headers: Mapping[st
     return mapped
 
 
-def _media(part: Mapping[str, Any], kind: str, mm: MultimodalCard | None, index: int) -> pb.MediaItem:
+def _media(part: Mapping[str, object], kind: str, mm: MultimodalCard | None, index: int) -> pb.MediaItem:
     modality, name = _MEDIA_PARTS[kind]
     if kind == "input_audio":
         audio = part.get("input_audio")
@@ -233,12 +238,12 @@ def _media(part: Mapping[str, Any], kind: str, mm: MultimodalCard | None, index:
 
 
 def _conversation(
-    messages: list[dict[str, Any]], template: ChatTemplate, mm: MultimodalCard | None
-) -> tuple[list[dict[str, Any]], list[pb.MediaItem]]:
+    messages: list[dict[str, object]], template: ChatTemplate, mm: MultimodalCard | None
+) -> tuple[list[dict[str, object]], list[pb.MediaItem]]:
     """The messages as the template reads them (OpenAI's content parts, or their text joined),
     and the media items in prompt order."""
     parts_form = template.takes_content_parts
-    out: list[dict[str, Any]] = []
+    out: list[dict[str, object]] = []
     media: list[pb.MediaItem] = []
     for i, message in enumerate(messages):
         role = message.get("role")
@@ -251,7 +256,7 @@ def _conversation(
             content = []
         elif not isinstance(content, list):
             invalid_argument(f"messages[{i}].content must be a string or a list of parts")
-        parts: list[dict[str, Any]] = []
+        parts: list[dict[str, str]] = []
         for part in content:
             kind = part.get("type") if isinstance(part, Mapping) else None
             if kind == "text" and isinstance(part.get("text"), str):

@@ -17,15 +17,26 @@ choice with ``{"role": "assistant", "content": ""}`` first. With
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import NotRequired, TypedDict
 
 import msgspec
 
 from sidecar.core.request_options import usage_dict
+from sidecar.json_types import JSONObject
 from sidecar.openengine import pb
 
-__all__ = ["DONE", "ResponseBuilder", "sse"]
+__all__ = [
+    "DONE",
+    "ChatLogprobs",
+    "ChatTokenLogprob",
+    "Choice",
+    "CompletionLogprobs",
+    "ResponseBody",
+    "ResponseBuilder",
+    "sse",
+]
 
 DONE = b"data: [DONE]\n\n"
 FINISH_REASONS = {
@@ -36,8 +47,68 @@ FINISH_REASONS = {
 _encode = msgspec.json.Encoder().encode
 
 
-def sse(body: dict[str, Any]) -> bytes:
-    """One SSE event carrying ``body``."""
+class TopLogprob(TypedDict):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TypedDict):
+    """One token of Chat's ``logprobs.content`` (``logprob`` -9999.0 when the engine gave none)."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(TypedDict):
+    content: list[ChatTokenLogprob]
+
+
+class CompletionLogprobs(TypedDict):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class Delta(TypedDict, total=False):
+    role: str
+    content: str
+
+
+class Message(TypedDict):
+    role: str
+    content: str
+
+
+class Choice(TypedDict):
+    """One choice of a body or chunk: Chat's carries ``delta`` (streamed) or ``message``,
+    Completions' ``text``; ``stop_reason`` is absent from a chat chunk that finishes nothing."""
+
+    index: int
+    delta: NotRequired[Delta]
+    message: NotRequired[Message]
+    text: NotRequired[str]
+    logprobs: ChatLogprobs | CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: NotRequired[str | int | None]
+
+
+class ResponseBody(TypedDict):
+    """A whole response, or one streamed chunk (``usage``: the whole one's, or the last chunk's)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: NotRequired[JSONObject]
+
+
+def sse(body: Mapping[str, object]) -> bytes:
+    """One SSE event carrying the JSON object ``body``."""
     return b"data: " + _encode(body) + b"\n\n"
 
 
@@ -46,7 +117,7 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    logprobs: list[Any] = field(default_factory=list)
+    logprobs: list[ChatTokenLogprob] = field(default_factory=list)
     tokens: list[str] = field(default_factory=list)
     token_logprobs: list[float | None] = field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
@@ -88,7 +159,7 @@ class ResponseBuilder:
             self.choices.append(_Choice())
         return self.choices[i]
 
-    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    def _chunk(self, choices: list[Choice]) -> ResponseBody:
         return {
             "id": self.id,
             "object": self._object,
@@ -120,9 +191,9 @@ class ResponseBuilder:
 
     # -- events ----------------------------------------------------------------------------
 
-    def _logprobs(self, choice: _Choice, tokens: list[pb.TokenInfo]) -> Any:
+    def _logprobs(self, choice: _Choice, tokens: list[pb.TokenInfo]) -> ChatLogprobs | CompletionLogprobs:
         if self.chat:
-            content = [
+            content: list[ChatTokenLogprob] = [
                 {
                     "token": t.token,
                     "logprob": t.logprob if t.logprob is not None else -9999.0,
@@ -137,7 +208,7 @@ class ResponseBuilder:
             if not self.stream:
                 choice.logprobs += content
             return {"content": content}
-        out: dict[str, list[Any]] = {
+        out: CompletionLogprobs = {
             "tokens": [],
             "token_logprobs": [],
             "top_logprobs": [],
@@ -150,8 +221,10 @@ class ResponseBuilder:
             out["text_offset"].append(choice.offset)
             choice.offset += len(t.token)
         if not self.stream:
-            for key in out:
-                getattr(choice, key).extend(out[key])
+            choice.tokens += out["tokens"]
+            choice.token_logprobs += out["token_logprobs"]
+            choice.top_logprobs += out["top_logprobs"]
+            choice.text_offset += out["text_offset"]
         return out
 
     def event(self, ev: pb.GenerateResponse) -> bytes | None:
@@ -200,6 +273,7 @@ class ResponseBuilder:
             choice.stop_reason = _stop_reason(finished.stop_match)
             if not self.stream:
                 return None
+            body: Choice
             if self.chat:
                 body = {"index": index, "delta": {}, "logprobs": None, "finish_reason": choice.finish_reason}
             else:
@@ -210,42 +284,54 @@ class ResponseBuilder:
 
     # -- ends ------------------------------------------------------------------------------
 
-    def usage_body(self) -> dict[str, Any]:
+    def usage_body(self) -> JSONObject:
         if self.usage is None:
             return {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
         return usage_dict(self.usage)
 
     def usage_chunk(self) -> bytes:
         """The streamed usage (``stream_options.include_usage``): a chunk with no choices."""
-        return sse({**self._chunk([]), "usage": self.usage_body()})
+        chunk = self._chunk([])
+        chunk["usage"] = self.usage_body()
+        return sse(chunk)
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> ResponseBody:
         """The whole (not streamed) response."""
-        choices: list[dict[str, Any]] = []
+        choices: list[Choice] = []
         for i, c in enumerate(self.choices):
             text = "".join(c.text)
+            lp: ChatLogprobs | CompletionLogprobs | None
             if self.chat:
-                lp: Any = {"content": c.logprobs} if self.logprobs else None
-                entry: dict[str, Any] = {
-                    "index": i,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": lp,
-                }
-            else:
-                lp = (
+                lp = {"content": c.logprobs} if self.logprobs else None
+                choices.append(
                     {
-                        "tokens": c.tokens,
-                        "token_logprobs": c.token_logprobs,
-                        "top_logprobs": c.top_logprobs,
-                        "text_offset": c.text_offset,
+                        "index": i,
+                        "message": {"role": "assistant", "content": text},
+                        "logprobs": lp,
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
                     }
-                    if self.logprobs
-                    else None
                 )
-                entry = {"index": i, "text": text, "logprobs": lp}
-            entry["finish_reason"] = c.finish_reason
-            entry["stop_reason"] = c.stop_reason
-            choices.append(entry)
+                continue
+            lp = (
+                {
+                    "tokens": c.tokens,
+                    "token_logprobs": c.token_logprobs,
+                    "top_logprobs": c.top_logprobs,
+                    "text_offset": c.text_offset,
+                }
+                if self.logprobs
+                else None
+            )
+            choices.append(
+                {
+                    "index": i,
+                    "text": text,
+                    "logprobs": lp,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         obj = "chat.completion" if self.chat else "text_completion"
         return {
             "id": self.id,

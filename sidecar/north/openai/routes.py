@@ -31,7 +31,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import NotRequired, Protocol, TypedDict
 
 import msgspec
 import trio
@@ -64,6 +64,18 @@ log = logging.getLogger(__name__)
 RENDER_INLINE_BYTES = 64 * 1024
 #: Headers of the request read by the front (lower case).
 _HEADERS = ("x-request-id", "traceparent", "tracestate", "authorization")
+
+
+class _ModelEntry(TypedDict):
+    """One model of ``GET /v1/models`` (vLLM's fields: ``root``, ``parent``, ``max_model_len``)."""
+
+    id: str
+    object: str
+    created: int
+    owned_by: str
+    root: str
+    parent: str | None
+    max_model_len: NotRequired[int]
 
 
 class OpenAIHost(gie_metrics.MetricsHost, Protocol):
@@ -231,7 +243,7 @@ class OpenAIFront:
 
     async def _models(self, request: Request) -> Response:
         card = self.host.card
-        data: list[dict[str, Any]] = []
+        data: list[_ModelEntry] = []
         if card is not None:
             for m in card.models:
                 for name in m.names:
@@ -244,8 +256,8 @@ class OpenAIFront:
         body = _json({"object": "list", "data": data})
         return Response(body, media_type="application/json")
 
-    def _model_entry(self, name: str, root: str, parent: str | None, max_len: int | None) -> dict[str, Any]:
-        entry: dict[str, Any] = {
+    def _model_entry(self, name: str, root: str, parent: str | None, max_len: int | None) -> _ModelEntry:
+        entry: _ModelEntry = {
             "id": name,
             "object": "model",
             "created": self.started,
@@ -411,7 +423,7 @@ class _Exchange:
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
         self.started = True
 
-    async def _send(self, message: dict[str, Any]) -> None:
+    async def _send(self, message: dict[str, object]) -> None:
         """One ASGI send; ``ClientGone`` once the client is gone."""
         if self.gone:
             raise ClientGone
