@@ -72,7 +72,7 @@ async def _poll_and_measure(client: EngineClient, polls: int) -> tuple[Sidecar, 
 
 
 @pytest.mark.subprocess
-@pytest.mark.parametrize(("ids", "dropped"), [(3_000, False), (10_000, True)])
+@pytest.mark.parametrize(("ids", "dropped"), [(6_000, False), (12_000, True)])
 async def test_large_attributes_do_not_stall_the_event_loop(
     aio_loop: Any, tmp_path: Path, ids: int, dropped: bool
 ) -> None:
