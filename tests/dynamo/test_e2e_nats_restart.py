@@ -86,6 +86,12 @@ async def test_nats_restart_kv_events_resume_and_the_view_resyncs(
                 resumed = trio.current_time() - t0
                 print(f"NATS restarted: events flow again {resumed:.1f}s after it went down")
 
+                # the change made on s0 during the outage: the router learns it from s0's
+                # worker-local indexer once it sees s0's event numbers jump, at s0's next change
+                # (no event is delivered twice, so nothing else re-sends it)
+                prompts["D"] = encode(tok, words(30, 160))
+                await warm(s0.ws, prompts["D"])
+
                 async def c_known() -> dict[int, int]:
                     return await overlap(prompts["C"])
 
