@@ -43,6 +43,7 @@ RANK: dict[str, int] = {
     "cli": 3,
     "listen_check": 4,
     "run_command": 6,
+    "run_options": 5,
     "__main__": 7,
     "__init__": 7,
 }
