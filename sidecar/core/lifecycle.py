@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import secrets
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -97,6 +98,8 @@ class StreamHandle:
     admitted_at: float = 0.0
     #: The stream's span (``sidecar.core.stream_spans``); None with tracing off.
     trace: StreamTrace | None = field(default=None, repr=False)
+    #: Fields the plane adds to the stream's log records (``sidecar.logs.log_context``).
+    log_fields: dict[str, object] | None = field(default=None, repr=False)
     #: Output tokens relayed, and the last event's usage (set when the relay ends).
     tokens_out: int = 0
     usage: pb.Usage | None = field(default=None, repr=False)
@@ -213,6 +216,9 @@ class StreamSupervisor:
         self.aborts = self.sender.aborts
         #: Closed by the engine watch while the engine is lost (background Aborts wait).
         self.engine_reachable = self.sender.engine_reachable
+        # read when scraped, not set per stream (the process's supervisor is the last made)
+        this = weakref.ref(self)
+        metrics.ACTIVE_STREAMS.set_function(lambda: len(s.streams) if (s := this()) is not None else 0)
 
     async def run_service(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Host the streams' background Aborts until cancelled (start in the root nursery):
@@ -297,13 +303,11 @@ class StreamSupervisor:
         handle = StreamHandle(request, metadata, admitted_at=trio.current_time())
         self.streams[request.request_id] = handle
         self._idle = trio.Event() if self._idle.is_set() else self._idle
-        metrics.ACTIVE_STREAMS.set(len(self.streams))
         return handle
 
     def _release(self, handle: StreamHandle) -> None:
         if self.streams.get(handle.request_id) is handle:
             del self.streams[handle.request_id]
-        metrics.ACTIVE_STREAMS.set(len(self.streams))
         if not self.streams:
             self._idle.set()
 
@@ -329,7 +333,7 @@ class StreamSupervisor:
         first; a cancellation that arrives while the stream is already ending is left to the
         caller's next checkpoint.
         """
-        with log_context(request_id=handle.request_id):
+        with log_context(request_id=handle.request_id, **(handle.log_fields or {})):
             if handle.trace is None:
                 return await self._run(handle, emit)
             outcome: Outcome | None = None

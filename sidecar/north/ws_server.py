@@ -38,7 +38,6 @@ from sidecar.core.lifecycle import (
     Outcome,
     StreamHandle,
 )
-from sidecar.logs import log_context
 from sidecar.north import codec, wire, ws_adapter
 from sidecar.north.auth import bearer_matches
 from sidecar.north.codec import Encoding
@@ -460,9 +459,9 @@ class Connection:
             # prefillReady (terminal: the last event): relay the engine's KvSessionRef bytes exactly as received
             await send(encoder.encode(ev, kv_session_bytes=handle.kv_session_bytes))
 
+        handle.log_fields = {"stream": stream_id}  # on the stream's log records
         try:
-            with log_context(stream=stream_id):
-                outcome = await self.host.run_stream(handle, emit)
+            outcome = await self.host.run_stream(handle, emit)
         finally:
             del self.streams[stream_id]
             if self.limits is not None:

@@ -113,7 +113,8 @@ def window_updates(data: bytes) -> list[tuple[int, int]]:
 def describe(event: Any) -> tuple[Any, ...]:
     """An event as comparable values: its class, then its ``__slots__`` in their (alphabetical)
     order; the events have no ``__eq__``."""
-    return (type(event), *(getattr(event, name) for name in type(event).__slots__))
+    values = (getattr(event, name) for name in type(event).__slots__)
+    return (type(event), *(list(v) if isinstance(v, tuple) else v for v in values))
 
 
 def opened(**kwargs: Any) -> tuple[ClientConnection, hpack.Encoder]:
@@ -131,6 +132,28 @@ def opened(**kwargs: Any) -> tuple[ClientConnection, hpack.Encoder]:
     assert isinstance(event, ResponseReceived)
     conn.data_to_send()
     return conn, encoder
+
+
+def test_repeated_header_block_follows_the_dynamic_table() -> None:
+    """A block of one-byte indexed fields is decoded once and then reused, but only while the
+    dynamic table is unchanged: after a block that inserts a field (shifting the dynamic
+    indexes) the same bytes mean the new table's fields."""
+    conn, encoder = opened()
+    conn.send_headers(5, REQUEST, end_stream=True)
+    conn.send_headers(7, REQUEST, end_stream=True)
+    conn.send_headers(9, REQUEST, end_stream=True)
+    head = [(b":status", b"200"), (b"x-engine", b"a")]
+    first = encoder.encode(head)  # inserts x-engine: a (dynamic index 62)
+    again = encoder.encode(head)  # all indexed now: one byte per field
+    assert again == bytes([0x88, 0x80 | 62])
+    [e1] = conn.receive_data(frame(HEADERS, END_HEADERS, 3, first))
+    [e2] = conn.receive_data(frame(HEADERS, END_HEADERS, 5, again))
+    assert list(e1.headers) == list(e2.headers) == head
+    inserting = encoder.encode([(b":status", b"200"), (b"x-engine", b"b")])  # b at 62, a at 63
+    [e3] = conn.receive_data(frame(HEADERS, END_HEADERS, 7, inserting))
+    assert list(e3.headers) == [(b":status", b"200"), (b"x-engine", b"b")]
+    [e4] = conn.receive_data(frame(HEADERS, END_HEADERS, 9, again))
+    assert list(e4.headers) == [(b":status", b"200"), (b"x-engine", b"b")]
 
 
 # -- our client with h2 as the server -------------------------------------------------------------

@@ -123,7 +123,7 @@ class MessageReader:
         return size + 5
 
 
-def header_map(block: Headers) -> dict[bytes, bytes]:
+def header_map(block: Sequence[tuple[bytes, bytes]]) -> dict[bytes, bytes]:
     return dict(block)
 
 

@@ -42,6 +42,7 @@ still being sent (flow control held it back) is closed with RST_STREAM(NO_ERROR)
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from typing import Final, cast
 
 import hpack
@@ -111,13 +112,22 @@ class HeadersTooLarge(H2Error):
 
 # -- events -------------------------------------------------------------------------------------
 
+#: A decoded header block (shared between blocks of the same bytes: never changed in place).
+Headers = Sequence[tuple[bytes, bytes]]
+#: The bytes of a header block made only of one-byte indexed fields (RFC 7541 6.1, indexes 1-126):
+#: decoding such a block reads the dynamic table without changing it.
+_ONE_BYTE_INDEXED: Final = bytes(range(0x81, 0xFF))
+#: Decoded blocks of that kind kept per connection (an engine repeats a handful: its response
+#: head and its trailers once their fields are in the table).
+_DECODED_BLOCKS: Final = 16
+
 
 class ResponseReceived:
     """A stream's response headers; ``stream_ended``: they also ended it (trailers-only)."""
 
     __slots__ = ("headers", "stream_ended", "stream_id")
 
-    def __init__(self, stream_id: int, headers: list[tuple[bytes, bytes]], stream_ended: bool) -> None:
+    def __init__(self, stream_id: int, headers: Headers, stream_ended: bool) -> None:
         self.stream_id, self.headers, self.stream_ended = stream_id, headers, stream_ended
 
 
@@ -126,7 +136,7 @@ class InformationalResponseReceived:
 
     __slots__ = ("headers", "stream_id")
 
-    def __init__(self, stream_id: int, headers: list[tuple[bytes, bytes]]) -> None:
+    def __init__(self, stream_id: int, headers: Headers) -> None:
         self.stream_id, self.headers = stream_id, headers
 
 
@@ -135,7 +145,7 @@ class TrailersReceived:
 
     __slots__ = ("headers", "stream_id")
 
-    def __init__(self, stream_id: int, headers: list[tuple[bytes, bytes]]) -> None:
+    def __init__(self, stream_id: int, headers: Headers) -> None:
         self.stream_id, self.headers = stream_id, headers
 
 
@@ -319,6 +329,8 @@ class ClientConnection:
         self._block_head = (0, 0)  # (stream id, flags of its HEADERS frame)
         self._block_size = 0
         self._decoder = hpack.Decoder(max_header_list_size=max_header_list)
+        # decoded blocks of one-byte indexed fields only: valid until a block changes the table
+        self._decoded: dict[bytes, Headers] = {}
         self._encoded: dict[tuple[bytes, bytes], bytes] = {}
 
     # -- sending ---------------------------------------------------------------------------------
@@ -606,9 +618,22 @@ class ClientConnection:
             block, self._block = b"".join(self._block), None
             self._on_header_block(sid, self._block_head[1], block, events)
 
+    def _decode(self, block: bytes) -> Headers:
+        """``block`` decoded; a repeated block of one-byte indexed fields from the cache (only a
+        block with another representation can change the dynamic table, and it clears the cache)."""
+        headers = self._decoded.get(block)
+        if headers is not None:
+            return headers
+        headers = tuple(cast("list[tuple[bytes, bytes]]", self._decoder.decode(block, raw=True)))
+        if block.translate(None, _ONE_BYTE_INDEXED):
+            self._decoded.clear()
+        elif len(self._decoded) < _DECODED_BLOCKS:
+            self._decoded[block] = headers
+        return headers
+
     def _on_header_block(self, sid: int, flags: int, block: bytes, events: list[Event]) -> None:
         try:  # every block, even a closed stream's: the decoder's table must see them all
-            headers = cast("list[tuple[bytes, bytes]]", self._decoder.decode(block, raw=True))
+            headers = self._decode(block)
         except hpack.OversizedHeaderListError as err:
             raise self._violation(f"response headers too large ({err})", ENHANCE_YOUR_CALM) from None
         except hpack.HPACKError as err:

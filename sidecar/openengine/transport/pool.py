@@ -165,22 +165,34 @@ class ConnectionPool:
         raise CallError(f"no engine connection with room for a stream after {_MAX_MOVES} moves", lost=True)
 
     def _pick(self) -> _Slot | None:
+        """The least busy kept connection with room; else a spare one with room; else a new
+        connection if the pool may open one (a kept one while below ``min_connections``)."""
         if self._closed:
             raise CallError("engine client is closed", lost=True)
-        slots = self._slots = [s for s in self._slots if s.alive() or s.streams]
-        live = [s for s in slots if s.alive()]
-        kept = [s for s in live if s.kept]
-        if len(kept) < self.min_connections and len(slots) < self.max_connections:
-            return self._open(kept=True)
+        slots = self._slots
+        kept = 0
         best: _Slot | None = None
-        for s in kept:
-            if s.streams < self._cap(s) and (best is None or s.streams < best.streams):
-                best = s
+        spare: _Slot | None = None
+        dead = False
+        for s in slots:  # one pass: this runs once per call
+            if not s.alive():
+                dead = dead or not s.streams
+                continue
+            room = s.streams < self._cap(s)
+            if s.kept:
+                kept += 1
+                if room and (best is None or s.streams < best.streams):
+                    best = s
+            elif room and spare is None:
+                spare = s
+        if dead:
+            slots = self._slots = [s for s in slots if s.alive() or s.streams]
+        if kept < self.min_connections and len(slots) < self.max_connections:
+            return self._open(kept=True)
         if best is not None:
             return best
-        for s in live:
-            if not s.kept and s.streams < self._cap(s):
-                return s
+        if spare is not None:
+            return spare
         if len(slots) < self.max_connections:
             return self._open(kept=False)
         return None
