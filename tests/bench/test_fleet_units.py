@@ -44,7 +44,7 @@ def test_short_figures_cpu_per_request_and_goals() -> None:
     assert fig["cpu_per_request_vs_grpcio"] == pytest.approx(1.4)
     goals = {g["goal"]: g for g in analysis.goals({"short": {**fig, "config": {"concurrency": 64}}})}
     assert goals["short requests vs direct EngineClient"]["met"] is True
-    assert goals["sidecar CPU/short request vs grpcio"]["met"] is True
+    assert goals["sidecar CPU/short request vs grpcio"]["met"] is False  # 1.4x > 1.3x
     assert goals["short requests/s"]["met"] is False
 
 
@@ -106,7 +106,7 @@ def test_fleet_figures_ratios_goals_and_table() -> None:
     assert r["ttft_p50_minus_anchor_ms"] == pytest.approx(3.0)
     assert r["worker_cpu_per_token_vs_anchor"] == pytest.approx(0.66 / 0.64)
     goals = {g["goal"]: g for g in analysis.goals({"dynamo": fig})}
-    assert goals["Dynamo: output tok/s vs anchor worker"]["met"] is True
+    assert goals["Dynamo: output tok/s vs anchor worker"]["met"] is False  # 0.92x < 1.2x
     assert goals["Dynamo: TTFT p50 minus anchor's"]["met"] is True
     assert goals["Dynamo: worker CPU/token vs anchor"]["met"] is True
     fig["config"] = {"requests": 256, "tokens": 64, "concurrency": 16}
@@ -134,7 +134,7 @@ def test_paced_rounds_offer_both_workers_a_share_of_the_slower_rate_and_are_repo
     fig["paced"] = paced
     goals = {g["goal"]: g for g in analysis.goals({"dynamo": fig})}
     row = goals["Dynamo at equal request rate: TTFT p50 minus anchor's"]
-    assert row["value"] == pytest.approx(2.0) and row["met"] is True
+    assert row["value"] == pytest.approx(2.0) and row["met"] is False  # later than the anchor
     fig["config"] = {"requests": 256, "tokens": 64, "concurrency": 16}
     table = report.render_table({"dynamo": fig})
     assert "at an equal 64.0 req/s (open loop): TTFT p50 ms" in table and "+2.0 ms" in table
