@@ -11,13 +11,16 @@ missed from the bridge's replay. After the engine's batches the run stays idle f
 
 from __future__ import annotations
 
+import atexit
 import shutil
 import tempfile
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import trio
 
 from sidecar.kvbridge import ZmqSource
@@ -115,3 +118,26 @@ def check_run(run: Run, decode: Callable[[bytes], Any], batches: list[list[Any]]
     assert applied == [e for p in run.engine for e in decode(p).events]  # every event once, however long idle
     assert len(applied) == sum(len(b) for b in batches)
     assert run.replayed == [(r.seq, r.payload) for r in run.received]  # replay: exactly what went out live
+
+
+async def engine_classes_through_bridge(kv_events: Any, batches: list[list[Any]], **rank: int) -> list[Any]:
+    """``batches`` published by the engine's own ``kv_events.ZmqEventPublisher`` (``rank``: its
+    data-parallel rank argument) through a bridge, judged by :func:`check_run` with the engine's
+    own ``KVEventBatch`` decoder; the events a consumer of the bridge applies."""
+    async with ipc_endpoints() as (publish_ep, replay_ep):
+        publisher = kv_events.ZmqEventPublisher(
+            **rank, endpoint=publish_ep, replay_endpoint=replay_ep, topic="kv"
+        )
+        try:
+            run = await run_through_bridge(
+                publisher,
+                lambda events: kv_events.KVEventBatch(ts=time.time(), events=events),
+                batches,
+                (publish_ep, replay_ep),
+            )
+        finally:
+            publisher.shutdown()
+            atexit.unregister(publisher.shutdown)  # if the class registered it for exit: once is enough
+    decoder = msgspec.msgpack.Decoder(kv_events.KVEventBatch)
+    check_run(run, decoder.decode, batches)
+    return [e for r in run.received for e in decoder.decode(r.payload).events]

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.real_engines import EngineProc
 from tests.sglang.harness import require_sglang, start_engine
-from tests.vllm.harness import EngineProc, build_model
+from tests.vllm.harness import build_model
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

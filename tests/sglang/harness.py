@@ -2,7 +2,7 @@
 
 An engine start costs 15-100 s on this machine (SGLang imports torch in three processes), so the
 engine is a session fixture (``conftest.py``) shared by every test: :func:`start_engine` runs
-``python -m sidecar sglang-engine`` on a Unix socket (``tests.vllm.harness.start_adapter``: its
+``python -m sidecar sglang-engine`` on a Unix socket (``tests.real_engines.start_adapter``: its
 ready file polled, bounded, its output in a log file; ``stop`` ends the whole process group).
 Tests must use their own request ids and prompts: the engine and its radix cache are shared.
 """
@@ -13,14 +13,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tests.e2e.harness import eventually
 from tests.prereq import require_module
-from tests.vllm.harness import EngineProc, engine_load, start_adapter
+from tests.real_engines import MODEL, EngineProc, start_adapter, wait_idle
 
-MODEL = "tiny-llama"
 PAGE = 16
 MAX_TOTAL_TOKENS = 16384
 CONTEXT = 8192
+#: SGLang's own counts of the requests it holds (``GetLoad`` attributes): 0 once it is idle.
+IDLE = ("sglang_held_requests", "sglang_running", "sglang_waiting")
 
 
 def require_sglang() -> None:
@@ -56,23 +56,7 @@ def start_engine(model: Path, tmp: Path, name: str, *args: str) -> EngineProc:
     return start_adapter(argv, model, tmp, name, engine_env())
 
 
-async def attributes(address: str) -> dict[str, Any]:
-    load = await engine_load(address)
-    assert load.attributes is not None
-    return load.attributes.to_dict()
-
-
 async def wait_request_gone(address: str, timeout: float = 15) -> dict[str, Any]:
     """Once SGLang holds no request (its tokenizer manager's table, its scheduler's running and
     waiting counts) and the adapter has none in flight: the adapter's attributes then."""
-
-    async def gone() -> dict[str, Any] | None:
-        load = await engine_load(address)
-        attrs = load.attributes.to_dict() if load.attributes is not None else {}
-        idle = attrs["sglang_held_requests"] == 0 and attrs["sglang_running"] == 0
-        idle = idle and attrs["sglang_waiting"] == 0
-        held = (load.running_requests or 0) + (load.queued_requests or 0) + attrs["in_flight"]
-        return attrs if idle and held == 0 else None
-
-    result: dict[str, Any] = await eventually(gone, timeout, interval=0.05)
-    return result
+    return await wait_idle(address, IDLE, timeout)

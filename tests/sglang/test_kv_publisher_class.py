@@ -7,12 +7,7 @@ each event once. No engine process and no GPU: the classes only (the module impo
 
 from __future__ import annotations
 
-import atexit
-import time
-
-import msgspec
-
-from tests.kvbridge.engine_publisher import check_run, ipc_endpoints, run_through_bridge
+from tests.kvbridge.engine_publisher import engine_classes_through_bridge
 from tests.prereq import require_module
 
 kv_events = require_module("sglang.srt.disaggregation.kv_events", "scripts/install-sglang")
@@ -49,23 +44,7 @@ def every_field() -> list[list[object]]:
 
 async def test_sglang_publisher_to_sglang_decoder_through_the_bridge() -> None:
     batches = every_field()
-    async with ipc_endpoints() as (publish_ep, replay_ep):
-        publisher = kv_events.ZmqEventPublisher(
-            attn_dp_rank=0, endpoint=publish_ep, replay_endpoint=replay_ep, topic="kv"
-        )
-        try:
-            run = await run_through_bridge(
-                publisher,
-                lambda events: KVEventBatch(ts=time.time(), events=events),
-                batches,
-                (publish_ep, replay_ep),
-            )
-        finally:
-            publisher.shutdown()
-            atexit.unregister(publisher.shutdown)  # registered by the class for exit: once is enough
-    decoder = msgspec.msgpack.Decoder(KVEventBatch)
-    check_run(run, decoder.decode, batches)
-    applied = [e for r in run.received for e in decoder.decode(r.payload).events]
+    applied = await engine_classes_through_bridge(kv_events, batches, attn_dp_rank=0)
     assert applied == [e for b in batches for e in b]  # exactly as SGLang made them
     first = applied[0]
     assert first.block_hashes[0] == SIGNED and first.parent_block_hash == -(1 << 63)

@@ -2,17 +2,14 @@
 
 An engine start costs 30-90 s of CPU on this machine, so the engines are session fixtures
 (``conftest.py``) shared by every test: :func:`start_engine` runs ``python -m sidecar vllm-engine``
-on a Unix socket, its ready file polled (bounded), its output in a log file; :meth:`VllmProc.stop` sends SIGTERM, then kills the whole process group
-(vLLM's engine-core and worker processes included). Tests must use their own request ids and
+on a Unix socket (``tests.real_engines.start_adapter``: its ready file polled, bounded, its output
+in a log file; ``stop`` ends the whole process group, vLLM's engine-core and workers included). Tests must use their own request ids and
 prompts: the engines, and their prefix caches, are shared.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import random
-import signal
 import subprocess
 import sys
 import time
@@ -20,22 +17,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import trio
-
-from sidecar.engines.common.services import REPORT_ABORTS
-from sidecar.openengine import pb
-from sidecar.openengine.client import open_engine_client
-from tests.e2e.harness import eventually
 from tests.prereq import require_module
+from tests.real_engines import MODEL, START_TIMEOUT, EngineProc, start_adapter, stop_process_group, wait_idle
 
-MODEL = "tiny-llama"
 BLOCK = 32
 KV_BLOCKS = 2048
 #: The tiny model's full context: the conformance suite's "long" request is then 4,096 tokens
 #: (its cap), which even this tiny model takes seconds to generate, several times the 3 s the
 #: cancel checks allow a loaded machine to observe it running (1,792 tokens at 2,048 did not).
 MAX_MODEL_LEN = 8192
-START_TIMEOUT = 420.0  # a cold start under a loaded 2-core machine
+#: vLLM's own counts of the requests it holds (``GetLoad`` attributes): 0 once it is idle.
+IDLE = ("vllm_running", "vllm_waiting", "vllm_unfinished_requests")
 
 
 def require_vllm() -> None:
@@ -73,40 +65,6 @@ def build_model(root: Path) -> Path:
     return target
 
 
-@dataclass
-class EngineProc:
-    """A running engine adapter (``vllm-engine``, ``sglang-engine``): its address, ready JSON,
-    model directory and log file."""
-
-    name: str
-    model: Path
-    process: subprocess.Popen[bytes]
-    address: str
-    info: dict[str, Any]
-    log: Path
-    started_in: float
-
-    def tail(self, n: int = 40) -> str:
-        lines = self.log.read_text(errors="replace").splitlines()
-        return "\n".join(line for line in lines[-n:])
-
-    def stop(self, grace: float = 30.0) -> int | None:
-        """SIGTERM, then SIGKILL to the process group after ``grace`` seconds; the exit status."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(grace)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)  # the engine's own processes too
-        except ProcessLookupError:
-            pass
-        if self.process.poll() is None:
-            self.process.wait(10)
-        return self.process.returncode
-
-
 VllmProc = EngineProc
 
 
@@ -136,68 +94,10 @@ def start_engine(model: Path, tmp: Path, name: str, *args: str) -> EngineProc:
     return start_adapter(argv, model, tmp, name, engine_env(tmp))
 
 
-def start_adapter(argv: list[str], model: Path, tmp: Path, name: str, env: dict[str, str]) -> EngineProc:
-    """``python -m sidecar ARGV --ready-file ...`` in its own process group; returns once it serves
-    (its ready file, polled, bounded), raises with its log if it does not."""
-    log = tmp / f"{name}.log"
-    ready = tmp / f"{name}.json"
-    started = time.monotonic()
-    with log.open("wb") as log_fh:  # engines log to stdout, we to stderr: one file
-        process = subprocess.Popen(
-            [sys.executable, "-m", "sidecar", *argv, "--ready-file", str(ready)],
-            stdin=subprocess.DEVNULL,
-            stdout=log_fh,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-    proc = EngineProc(name, model, process, "", {}, log, 0.0)
-    # the engine is another process with no event to wait on: poll its ready file, bounded
-    while not ready.exists() and process.poll() is None and time.monotonic() - started < START_TIMEOUT:
-        time.sleep(0.2)
-    if not ready.exists():
-        proc.stop(5)
-        raise RuntimeError(f"{argv[0]} {name} did not start in {START_TIMEOUT:.0f} s:\n{proc.tail(60)}")
-    proc.started_in = time.monotonic() - started
-    proc.info = json.loads(ready.read_text())
-    proc.address = proc.info["address"]
-    return proc
-
-
-async def engine_load(address: str) -> pb.LoadInfo:
-    """GetLoad of the engine, Aborts per request id included (needs the ``aio_loop`` fixture)."""
-    async with open_engine_client(address) as client:
-        with trio.fail_after(10):
-            load: pb.LoadInfo = await client.get_load(metadata=[REPORT_ABORTS])
-    return load
-
-
-async def attributes(address: str) -> dict[str, Any]:
-    load = await engine_load(address)
-    assert load.attributes is not None
-    return load.attributes.to_dict()
-
-
 async def wait_request_gone(address: str, timeout: float = 15) -> dict[str, Any]:
     """Once vLLM's own stats show nothing running or waiting and its frontend holds no request:
     the adapter's attributes then."""
-
-    async def gone() -> dict[str, Any] | None:
-        load = await engine_load(address)
-        attrs = load.attributes.to_dict() if load.attributes is not None else {}
-        vllm_idle = attrs["vllm_running"] == 0 and attrs["vllm_waiting"] == 0
-        vllm_idle = vllm_idle and attrs["vllm_unfinished_requests"] == 0
-        held = (load.running_requests or 0) + (load.queued_requests or 0) + attrs["in_flight"]
-        return attrs if vllm_idle and held == 0 else None
-
-    result: dict[str, Any] = await eventually(gone, timeout, interval=0.05)
-    return result
-
-
-def token_ids(seed: int, n: int) -> list[int]:
-    """``n`` seeded token ids in 1000-1999: a prompt no other test shares (prefix caches are shared)."""
-    rng = random.Random(seed)
-    return [rng.randrange(1000, 2000) for _ in range(n)]
+    return await wait_idle(address, IDLE, timeout)
 
 
 @dataclass
@@ -213,16 +113,7 @@ class VllmServe:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
     def stop(self, grace: float = 30.0) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(grace)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        stop_process_group(self.process, grace)
 
 
 def start_vllm_serve(model: Path, tmp: Path) -> VllmServe:

@@ -18,7 +18,8 @@ from sidecar.openengine import pb
 from sidecar.openengine.client import open_engine_client
 from sidecar.openengine.engine_errors import EngineStatusError
 from tests.polling import eventually
-from tests.vllm.harness import MAX_MODEL_LEN, MODEL, VllmProc, engine_load, token_ids, wait_request_gone
+from tests.real_engines import engine_load, token_ids
+from tests.vllm.harness import MAX_MODEL_LEN, MODEL, VllmProc, wait_request_gone
 
 
 def req(rid: str, max_tokens: int = 6, *, ignore_eos: bool = True, **fields: Any) -> pb.GenerateRequest:

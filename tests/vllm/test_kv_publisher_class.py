@@ -8,15 +8,13 @@ every field the two formats share mapped (docs/KVBRIDGE.md). No engine process: 
 
 from __future__ import annotations
 
-import time
-
 import msgspec
 import pytest
 
 from sidecar.kvbridge.decode_proto import batch_from_proto
 from sidecar.kvbridge.events import encode_batch
 from sidecar.openengine import pb
-from tests.kvbridge.engine_publisher import check_run, ipc_endpoints, run_through_bridge
+from tests.kvbridge.engine_publisher import engine_classes_through_bridge
 from tests.prereq import require_module
 
 kv_events = require_module("vllm.distributed.kv_events", "scripts/install-vllm")
@@ -67,22 +65,7 @@ def every_field() -> list[list[object]]:
 
 async def test_vllm_publisher_to_vllm_decoder_through_the_bridge() -> None:
     batches = every_field()
-    async with ipc_endpoints() as (publish_ep, replay_ep):
-        publisher = kv_events.ZmqEventPublisher(
-            data_parallel_rank=0, endpoint=publish_ep, replay_endpoint=replay_ep, topic="kv"
-        )
-        try:
-            run = await run_through_bridge(
-                publisher,
-                lambda events: KVEventBatch(ts=time.time(), events=events),
-                batches,
-                (publish_ep, replay_ep),
-            )
-        finally:
-            publisher.shutdown()
-    decoder = msgspec.msgpack.Decoder(KVEventBatch)
-    check_run(run, decoder.decode, batches)
-    applied = [e for r in run.received for e in decoder.decode(r.payload).events]
+    applied = await engine_classes_through_bridge(kv_events, batches, data_parallel_rank=0)
     first = applied[0]
     assert (first.locality, first.ownership, first.session_id) == ("REMOTE", "tier-2", "agent-7")
     assert first.block_hashes == [U64_MAX, (1 << 63) + 5, b"\x01" * 32] and first.parent_block_hash == 1 << 63

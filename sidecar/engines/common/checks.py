@@ -113,6 +113,33 @@ def prompt_input(request: pb.GenerateRequest, limits: ModelLimits) -> str | list
     raise invalid("request has no input (prompt or token_ids)")
 
 
+def request_basics(
+    request: pb.GenerateRequest,
+    metadata: Sequence[tuple[str, str | bytes]],
+    limits: ModelLimits,
+    *,
+    priority_refusal: str,
+) -> tuple[int | None, dict[str, str], str | list[int]]:
+    """``(openengine-priority, trace headers, prompt)``: the metadata (a priority refused,
+    ``UNIMPLEMENTED`` with ``priority_refusal``, unless the engine schedules by priority), then
+    :func:`check_request` and :func:`prompt_input`."""
+    priority, trace = metadata_values(metadata)
+    if priority is not None and not limits.priority:
+        raise unsupported(priority_refusal)
+    check_request(request, limits)
+    return priority, trace, prompt_input(request, limits)
+
+
+def kv_values(request: pb.GenerateRequest) -> tuple[str | None, bool]:
+    """``(cache salt, bypass the prefix cache)``; an empty salt is refused (omit it for none)."""
+    kv = request.kv
+    if kv is None:
+        return None, False
+    if kv.cache_salt is not None and not kv.cache_salt:
+        raise invalid("kv.cache_salt is empty (omit it for no salt)")
+    return kv.cache_salt, bool(kv.bypass_prefix_cache)
+
+
 def _finite(name: str, value: float | None, lo: float | None = None, hi: float | None = None) -> None:
     if value is None:
         return

@@ -8,13 +8,15 @@ stream driver runs it; ``finish`` ends it with one outcome and remembers its id 
 later Abort answers ``ALREADY_FINISHED``. A subclass supplies ``plan`` (check and map a
 request), ``engine_abort`` (tell the engine to stop requests), ``refusal`` (is the engine able
 to take work) and, when the engine holds requests the registry no longer does,
-``engine_busy``; Health and GetLoad are the subclass's own.
+``engine_busy``; Health and GetLoad are the subclass's own, built with ``overall_health`` and
+``load_info``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -111,6 +113,11 @@ class AdapterEngine:
 
     async def engine_abort(self, request_ids: list[str]) -> None:
         """Tell the engine to stop ``request_ids`` (idempotent; unknown ids are ignored)."""
+        raise NotImplementedError
+
+    @property
+    def instance_id(self) -> str:
+        """The instance id the engine advertises (``GetLoad`` carries it)."""
         raise NotImplementedError
 
     @property
@@ -251,6 +258,58 @@ class AdapterEngine:
                 )
             )
         return pb.HealthResponse(state=state, checks=checks)
+
+    # -- load helpers --------------------------------------------------------------------
+
+    def split_in_flight(self, waiting: int) -> tuple[int, int]:
+        """``(running, queued)``: the requests in flight here, of which as many as the engine
+        reports ``waiting`` are queued."""
+        n = len(self.requests)
+        queued = min(waiting, n)
+        return n - queued, queued
+
+    def load_info(
+        self,
+        include_per_rank: bool,
+        report_aborts: bool,
+        requests: tuple[int, int],
+        kv_blocks: tuple[int, int],
+        engine_attributes: dict[str, Any],
+    ) -> pb.LoadInfo:
+        """``LoadInfo`` of rank 0 (``requests``: running, queued; ``kv_blocks``: used, total); in
+        ``attributes`` the requests in flight, ``engine_attributes``, the counters and whether
+        draining, plus the Aborts per request id (up to 4,096) when ``report_aborts``."""
+        running, queued = requests
+        used, total = kv_blocks
+        info = pb.LoadInfo(
+            instance_id=self.instance_id,
+            timestamp_unix_nanos=time.time_ns(),
+            running_requests=running,
+            queued_requests=queued,
+            active_kv_sessions=0,
+            used_kv_blocks=used,
+            total_kv_blocks=total,
+        )
+        if include_per_rank:
+            info.ranks = [
+                pb.RankLoadInfo(
+                    data_parallel_rank=0,
+                    running_requests=running,
+                    queued_requests=queued,
+                    used_kv_blocks=used,
+                    total_kv_blocks=total,
+                )
+            ]
+        attrs: dict[str, Any] = {
+            "in_flight": len(self.requests),
+            **engine_attributes,
+            **self.counters.attributes(),
+            "draining": self.draining,
+        }
+        if report_aborts:
+            attrs["aborts_by_request"] = dict(self.counters.aborts_by_request)
+        info.attributes = pb.Struct.from_dict(attrs)
+        return info
 
     # -- drain -------------------------------------------------------------------------
 

@@ -13,17 +13,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from sidecar.engines.common.services import ControlService, InferenceService
+from sidecar.engines.common.app import instance_id, serve_until_stopped, serving
 from sidecar.engines.sglang.config import SglangSettings, apply_env, engine_kwargs, kv_endpoints
 from sidecar.engines.sglang.discovery import discover
 from sidecar.engines.sglang.engine import SglangEngine
 from sidecar.engines.sglang.stream import run_request
 from sidecar.mock.app import ServingInfo
-from sidecar.openengine.serving.grpc_server import open_server
 
 log = logging.getLogger(__name__)
 #: How often SGLang's load snapshot is read for GetLoad (a shared-memory read).
@@ -49,7 +47,7 @@ async def open_sglang_engine(settings: SglangSettings) -> AsyncIterator[tuple[Sg
         tm = sgl.tokenizer_manager
         tm.auto_create_handle_loop()  # SGLang's output loop, on this event loop
         snapshot = await _first_snapshot(tm)
-        instance = settings.instance_id or f"sglang-{uuid.uuid4().hex[:12]}"
+        instance = instance_id(settings, "sglang")
         init = sgl._scheduler_init_result.scheduler_infos[0]  # the scheduler's start-up report
         discovery = discover(
             tm.server_args, tm.model_config, tm.tokenizer, init, snapshot, settings, kv, instance_id=instance
@@ -59,22 +57,8 @@ async def open_sglang_engine(settings: SglangSettings) -> AsyncIterator[tuple[Sg
         engine.children = _children()
         refresher = asyncio.ensure_future(_refresh(engine))
         try:
-            services = [ControlService(engine), InferenceService(engine, run_request)]
-            try:
-                async with open_server(services, settings.listen) as running:
-                    endpoints = (f"tcp://{kv.host}:{kv.port}",) if kv is not None else ()
-                    info = ServingInfo(
-                        address=str(running.address),
-                        flavor="sglang",
-                        role="aggregated",
-                        instance_id=instance,
-                        kv_events="zmq" if kv is not None else "none",
-                        kv_endpoints=endpoints,
-                        transfer_endpoint="",
-                    )
-                    yield engine, info
-            finally:
-                await engine.shutdown()
+            async with serving(engine, run_request, settings, kv, flavor="sglang", instance=instance) as info:
+                yield engine, info
         finally:
             refresher.cancel()
     finally:
@@ -104,20 +88,15 @@ async def _refresh(engine: SglangEngine) -> None:
         await asyncio.sleep(LOAD_REFRESH)
 
 
+def _describe(engine: SglangEngine) -> str:
+    model = engine.discovery.model.served_model_name
+    return f"sglang engine (aggregated, model {model}, page size {engine.discovery.page_size})"
+
+
 async def serve_sglang(
     settings: SglangSettings, *, stop: Any, on_ready: Callable[[ServingInfo], None] | None = None
 ) -> None:
     """Serve until ``stop`` (an ``asyncio.Event``) is set; ``on_ready`` once serving."""
-    async with open_sglang_engine(settings) as (engine, info):
-        if on_ready is not None:
-            on_ready(info)
-        model = engine.discovery.model
-        log.info(
-            "sglang engine (aggregated, model %s, page size %s) serving OpenEngine on %s; kv events %s %s",
-            model.served_model_name,
-            engine.discovery.page_size,
-            info.address,
-            info.kv_events,
-            " ".join(info.kv_endpoints),
-        )
-        await stop.wait()
+    await serve_until_stopped(
+        open_sglang_engine(settings), stop=stop, on_ready=on_ready, log=log, describe=_describe
+    )

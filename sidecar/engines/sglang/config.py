@@ -10,12 +10,14 @@ that PyPI does not have (docs/ENGINES.md).
 from __future__ import annotations
 
 import json
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from sidecar.engines.common.net import KvEndpoints, advertised_host
-from sidecar.engines.common.net import kv_endpoints as _kv_endpoints
+from sidecar.engines.common import settings as common
+from sidecar.engines.common.net import KvEndpoints
+from sidecar.engines.common.settings import AdapterSettings, kv_endpoints
+
+__all__ = ["DEFAULT_ENV", "SglangSettings", "apply_env", "engine_kwargs", "kv_endpoints"]
 
 #: Environment the adapter sets unless the caller already did: a local model directory needs
 #: no hub, and nothing reports usage.
@@ -28,42 +30,19 @@ DEFAULT_ENV = {
 
 
 @dataclass(frozen=True)
-class SglangSettings:
+class SglangSettings(AdapterSettings):
     """What ``openengine-sidecar sglang-engine`` was asked to run (see ``command.py`` for each flag)."""
 
-    model: str
-    listen: str = "127.0.0.1:50051"
-    served_model_names: tuple[str, ...] = ()
-    dtype: str = "auto"
     page_size: int = 16
     context_length: int | None = None
     max_total_tokens: int = 8192
     max_running_requests: int | None = None
     radix_cache: bool = True
-    max_logprobs: int = 20
-    seed: int = 0
-    kv_events: bool = True
-    kv_host: str = ""
-    kv_port: int = 0
-    kv_replay_port: int = 0
-    kv_topic: str = ""
-    kv_buffer_steps: int = 10_000
-    instance_id: str = ""
-    extra_env: dict[str, str] = field(default_factory=dict)
-
-    def advertised_kv_host(self) -> str:
-        """The routable host of the KV publisher: ``kv_host``, else the listen host when it is one."""
-        return advertised_host(self.listen, self.kv_host)
-
-
-def kv_endpoints(settings: SglangSettings) -> KvEndpoints:
-    return _kv_endpoints(settings.listen, settings.kv_host, settings.kv_port, settings.kv_replay_port)
 
 
 def apply_env(settings: SglangSettings) -> None:
     """Set :data:`DEFAULT_ENV` (unless set)."""
-    for key, value in {**DEFAULT_ENV, **settings.extra_env}.items():
-        os.environ.setdefault(key, value)
+    common.apply_env(settings, DEFAULT_ENV)
 
 
 def engine_kwargs(settings: SglangSettings, kv: KvEndpoints | None) -> dict[str, Any]:

@@ -14,7 +14,6 @@ SGLang's request table (``rid_to_state``) says what its tokenizer manager still 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -120,49 +119,20 @@ class SglangEngine(AdapterEngine):
     def requests_load(self) -> tuple[int, int]:
         """``(running, queued)``: the requests in flight here, of which as many as SGLang's
         snapshot reports waiting are queued."""
-        n = len(self.requests)
-        waiting = int(getattr(self.snapshot, "num_waiting_reqs", 0) or 0)
-        queued = min(waiting, n)
-        return n - queued, queued
+        return self.split_in_flight(int(getattr(self.snapshot, "num_waiting_reqs", 0) or 0))
 
     def load(self, include_per_rank: bool, *, report_aborts: bool = False) -> pb.LoadInfo:
         """``LoadInfo``: requests from :meth:`requests_load`, KV blocks from SGLang's snapshot
         (used tokens / page size); the adapter's counters in ``attributes``, plus the Aborts per
         request id (up to 4,096) when ``report_aborts``."""
         snap = self.snapshot
-        running, queued = self.requests_load()
         total = self.discovery.total_kv_blocks
         used_tokens = int(getattr(snap, "num_used_tokens", 0) or 0)
         used = min(total, -(-used_tokens // self.discovery.page_size))
-        info = pb.LoadInfo(
-            instance_id=self.instance_id,
-            timestamp_unix_nanos=time.time_ns(),
-            running_requests=running,
-            queued_requests=queued,
-            active_kv_sessions=0,
-            used_kv_blocks=used,
-            total_kv_blocks=total,
-        )
-        if include_per_rank:
-            info.ranks = [
-                pb.RankLoadInfo(
-                    data_parallel_rank=0,
-                    running_requests=running,
-                    queued_requests=queued,
-                    used_kv_blocks=used,
-                    total_kv_blocks=total,
-                )
-            ]
-        attrs: dict[str, Any] = {
-            "in_flight": len(self.requests),
+        attrs = {
             "sglang_held_requests": self.held,
             "sglang_running": int(getattr(snap, "num_running_reqs", 0) or 0),
             "sglang_waiting": int(getattr(snap, "num_waiting_reqs", 0) or 0),
             "sglang_used_tokens": used_tokens,
-            **self.counters.attributes(),
-            "draining": self.draining,
         }
-        if report_aborts:
-            attrs["aborts_by_request"] = dict(self.counters.aborts_by_request)
-        info.attributes = pb.Struct.from_dict(attrs)
-        return info
+        return self.load_info(include_per_rank, report_aborts, self.requests_load(), (used, total), attrs)

@@ -21,18 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sidecar.engines.common.checks import (
-    ModelLimits,
-    check_request,
-    guide,
-    invalid,
-    metadata_values,
-    prompt_input,
-    sampling_values,
-    stopping_values,
-    top_n,
-    unsupported,
-)
+from sidecar.engines.common import checks
+from sidecar.engines.common.checks import ModelLimits, unsupported
 from sidecar.openengine import pb
 
 __all__ = ["ModelLimits", "SglangPlan", "plan_request", "sglang_rid"]
@@ -102,13 +92,14 @@ def plan_request(
     eos_token_ids: frozenset[int] = frozenset(),
 ) -> SglangPlan:
     """Check ``request`` and map it; raises :class:`RpcStatusError` (see the module doc)."""
-    priority, trace = metadata_values(metadata)
-    if priority is not None:
-        raise unsupported("openengine-priority: this engine does not schedule by priority")
-    check_request(request, limits)
-    source = prompt_input(request, limits)
-    sampling = {_SAMPLING[k]: v for k, v in sampling_values(request.sampling, limits).items()}
-    stopping = stopping_values(request.stopping, limits)
+    _, trace, source = checks.request_basics(
+        request,
+        metadata,
+        limits,  # priority off: SGLang's discovery says so
+        priority_refusal="openengine-priority: this engine does not schedule by priority",
+    )
+    sampling = {_SAMPLING[k]: v for k, v in checks.sampling_values(request.sampling, limits).items()}
+    stopping = checks.stopping_values(request.stopping, limits)
     if stopping.get("ignore_eos") and set(stopping.get("stop_token_ids") or ()) - eos_token_ids:
         # SGLang's scheduler checks no stop token at all under ignore_eos: it would run past them
         raise unsupported("stop token ids with ignore_eos: this engine ignores both together")
@@ -126,27 +117,24 @@ def plan_request(
         # SGLang computes prompt logprobs from logprob_start_len on; none when only output is asked
         kwargs["logprob_start_len"] = (resp.prompt_logprob_start or 0) if resp.return_prompt_logprobs else -1
     if resp.return_prompt_logprobs:
-        prompt_top, _ = top_n(resp.prompt_candidates, "prompt", limits)
+        prompt_top, _ = checks.top_n(resp.prompt_candidates, "prompt", limits)
     if resp.return_output_logprobs:
-        top, ids = top_n(resp.output_candidates, "output", limits)
+        top, ids = checks.top_n(resp.output_candidates, "output", limits)
         if ids:
             kwargs["token_ids_logprob"] = ids
     if max(top, prompt_top):  # one number for both in SGLang: each side is cut to its own
         kwargs["top_logprobs_num"] = max(top, prompt_top)
-    guided = guide(request.guided, limits)
+    guided = checks.guide(request.guided, limits)
     if guided is not None:
         kind, value = guided
         if kind not in _GUIDES:
             raise unsupported(f"guided decoding by {kind} is not supported by this engine")
         sampling[_GUIDES[kind]] = json.dumps(value) if kind == "json_schema" else value
-    kv = request.kv
-    if kv is not None:
-        if kv.cache_salt is not None:
-            if not kv.cache_salt:
-                raise invalid("kv.cache_salt is empty (omit it for no salt)")
-            kwargs["cache_salt"] = kv.cache_salt
-        if kv.bypass_prefix_cache:
-            raise unsupported("kv.bypass_prefix_cache is not supported by this engine")
+    salt, bypass = checks.kv_values(request)
+    if salt is not None:
+        kwargs["cache_salt"] = salt
+    if bypass:
+        raise unsupported("kv.bypass_prefix_cache is not supported by this engine")
     if trace:
         kwargs["external_trace_header"] = trace
     kwargs["sampling_params"] = sampling

@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from sidecar.engines.common.services import ControlService, InferenceService
+from sidecar.engines.common.app import instance_id, serve_until_stopped, serving
 from sidecar.engines.vllm.config import VllmSettings, apply_env, engine_args, kv_endpoints
 from sidecar.engines.vllm.discovery import discover
 from sidecar.engines.vllm.engine import SchedulerStatsSink, VllmEngine
 from sidecar.engines.vllm.stream import run_request
 from sidecar.mock.app import ServingInfo
-from sidecar.openengine.serving.grpc_server import open_server
 
 log = logging.getLogger(__name__)
 
@@ -42,43 +40,27 @@ async def open_vllm_engine(settings: VllmSettings) -> AsyncIterator[tuple[VllmEn
     stats = SchedulerStatsSink()
     llm = AsyncLLM.from_engine_args(engine_args(settings, kv), stat_loggers=[stats.factory])
     try:
-        instance = settings.instance_id or f"vllm-{uuid.uuid4().hex[:12]}"
+        instance = instance_id(settings, "vllm")
         discovery = discover(llm.vllm_config, llm.get_tokenizer(), settings, kv, instance_id=instance)
         engine = VllmEngine(llm, discovery, stats)
-        services = [ControlService(engine), InferenceService(engine, run_request)]
-        try:
-            async with open_server(services, settings.listen) as running:
-                endpoints = (f"tcp://{kv.host}:{kv.port}",) if kv is not None else ()
-                info = ServingInfo(
-                    address=str(running.address),
-                    flavor="vllm",
-                    role="aggregated",
-                    instance_id=instance,
-                    kv_events="zmq" if kv is not None else "none",
-                    kv_endpoints=endpoints,
-                    transfer_endpoint="",
-                )
-                yield engine, info
-        finally:
-            await engine.shutdown()
+        async with serving(engine, run_request, settings, kv, flavor="vllm", instance=instance) as info:
+            yield engine, info
     finally:
         llm.shutdown()
+
+
+def _describe(engine: VllmEngine) -> str:
+    capacity = engine.discovery.server.capacity
+    return (
+        f"vllm engine (aggregated, model {engine.discovery.model.served_model_name}, "
+        f"block size {capacity.kv_block_size if capacity else '?'})"
+    )
 
 
 async def serve_vllm(
     settings: VllmSettings, *, stop: Any, on_ready: Callable[[ServingInfo], None] | None = None
 ) -> None:
     """Serve until ``stop`` (an ``asyncio.Event``) is set; ``on_ready`` once serving."""
-    async with open_vllm_engine(settings) as (engine, info):
-        if on_ready is not None:
-            on_ready(info)
-        model = engine.discovery.model
-        log.info(
-            "vllm engine (aggregated, model %s, block size %s) serving OpenEngine on %s; kv events %s %s",
-            model.served_model_name,
-            engine.discovery.server.capacity.kv_block_size if engine.discovery.server.capacity else "?",
-            info.address,
-            info.kv_events,
-            " ".join(info.kv_endpoints),
-        )
-        await stop.wait()
+    await serve_until_stopped(
+        open_vllm_engine(settings), stop=stop, on_ready=on_ready, log=log, describe=_describe
+    )

@@ -8,11 +8,14 @@ configuration afterwards (``discovery.py``), never from here.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from sidecar.engines.common.net import KvEndpoints, advertised_host
-from sidecar.engines.common.net import kv_endpoints as _kv_endpoints
+from sidecar.engines.common import settings as common
+from sidecar.engines.common.net import KvEndpoints
+from sidecar.engines.common.settings import AdapterSettings, kv_endpoints
+
+__all__ = ["DEFAULT_ENV", "VllmSettings", "apply_env", "engine_args", "kv_endpoints"]
 
 #: Environment the adapter sets unless the caller already did: a local model directory needs
 #: no hub, vLLM's usage reporting stays off, and single-node addresses stay on this host.
@@ -26,13 +29,9 @@ DEFAULT_ENV = {
 
 
 @dataclass(frozen=True)
-class VllmSettings:
+class VllmSettings(AdapterSettings):
     """What ``openengine-sidecar vllm-engine`` was asked to run (see ``command.py`` for each flag)."""
 
-    model: str
-    listen: str = "127.0.0.1:50051"
-    served_model_names: tuple[str, ...] = ()
-    dtype: str = "auto"
     block_size: int | None = None
     max_model_len: int | None = None
     max_num_seqs: int | None = None
@@ -42,30 +41,11 @@ class VllmSettings:
     prefix_caching: bool = True
     enforce_eager: bool = True
     scheduling_policy: str = "fcfs"
-    max_logprobs: int = 20
-    seed: int = 0
-    kv_events: bool = True
-    kv_host: str = ""
-    kv_port: int = 0
-    kv_replay_port: int = 0
-    kv_topic: str = ""
-    kv_buffer_steps: int = 10_000
-    instance_id: str = ""
-    extra_env: dict[str, str] = field(default_factory=dict)
-
-    def advertised_kv_host(self) -> str:
-        """The routable host of the KV publisher: ``kv_host``, else the listen host when it is one."""
-        return advertised_host(self.listen, self.kv_host)
-
-
-def kv_endpoints(settings: VllmSettings) -> KvEndpoints:
-    return _kv_endpoints(settings.listen, settings.kv_host, settings.kv_port, settings.kv_replay_port)
 
 
 def apply_env(settings: VllmSettings) -> None:
     """Set :data:`DEFAULT_ENV` (unless set) and the CPU KV cache size for vLLM's processes."""
-    for key, value in {**DEFAULT_ENV, **settings.extra_env}.items():
-        os.environ.setdefault(key, value)
+    common.apply_env(settings, DEFAULT_ENV)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_gib))
 
 

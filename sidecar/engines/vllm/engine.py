@@ -136,9 +136,7 @@ class VllmEngine(AdapterEngine):
         only after an engine step, and they drop a request vLLM has finished while its events
         still wait for a slow client (vLLM runs ahead of the stream), which Abort and Drain
         still count; the stats only split the count."""
-        n = len(self.requests)
-        queued = min(self.stats.waiting, n)
-        return n - queued, queued
+        return self.split_in_flight(self.stats.waiting)
 
     def load(self, include_per_rank: bool, *, report_aborts: bool = False) -> pb.LoadInfo:
         """``LoadInfo``: requests from :meth:`requests_load`, KV blocks from vLLM's scheduler
@@ -146,38 +144,12 @@ class VllmEngine(AdapterEngine):
         the sidecar polls this every second), plus the Aborts per request id (up to 4,096) when
         ``report_aborts``."""
         stats = self.stats
-        running, queued = self.requests_load()
         total = self.discovery.total_kv_blocks
         used = min(total, round(stats.kv_cache_usage * total))
-        info = pb.LoadInfo(
-            instance_id=self.instance_id,
-            timestamp_unix_nanos=time.time_ns(),
-            running_requests=running,
-            queued_requests=queued,
-            active_kv_sessions=0,
-            used_kv_blocks=used,
-            total_kv_blocks=total,
-        )
-        if include_per_rank:
-            info.ranks = [
-                pb.RankLoadInfo(
-                    data_parallel_rank=0,
-                    running_requests=running,
-                    queued_requests=queued,
-                    used_kv_blocks=used,
-                    total_kv_blocks=total,
-                )
-            ]
-        attrs: dict[str, Any] = {
-            "in_flight": len(self.requests),
+        attrs = {
             "vllm_unfinished_requests": self.llm.get_num_unfinished_requests(),
             "vllm_stats_steps": stats.steps,
             "vllm_running": stats.running,
             "vllm_waiting": stats.waiting,
-            **self.counters.attributes(),
-            "draining": self.draining,
         }
-        if report_aborts:
-            attrs["aborts_by_request"] = dict(self.counters.aborts_by_request)
-        info.attributes = pb.Struct.from_dict(attrs)
-        return info
+        return self.load_info(include_per_rank, report_aborts, self.requests_load(), (used, total), attrs)

@@ -14,18 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sidecar.engines.common.checks import (
-    ModelLimits,
-    check_request,
-    guide,
-    invalid,
-    metadata_values,
-    prompt_input,
-    sampling_values,
-    stopping_values,
-    top_n,
-    unsupported,
-)
+from sidecar.engines.common import checks
+from sidecar.engines.common.checks import ModelLimits
 from sidecar.openengine import pb
 
 __all__ = ["ModelLimits", "VllmPlan", "plan_request"]
@@ -63,45 +53,43 @@ def plan_request(
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
-    priority, trace = metadata_values(metadata)
-    if priority is not None and not limits.priority:
-        raise unsupported("openengine-priority needs --scheduling-policy priority on this engine")
-    check_request(request, limits)
-    source = prompt_input(request, limits)
+    priority, trace, source = checks.request_basics(
+        request,
+        metadata,
+        limits,
+        priority_refusal="openengine-priority needs --scheduling-policy priority on this engine",
+    )
     prompt: dict[str, Any] = {"prompt": source} if isinstance(source, str) else {"prompt_token_ids": source}
     kwargs: dict[str, Any] = {
-        **sampling_values(request.sampling, limits),
-        **stopping_values(request.stopping, limits),
+        **checks.sampling_values(request.sampling, limits),
+        **checks.stopping_values(request.stopping, limits),
         "output_kind": RequestOutputKind.DELTA,
     }
     resp = request.response or pb.ResponseOptions()
     plan_extra: dict[str, Any] = {}
     if resp.return_prompt_logprobs:
-        top, _ = top_n(resp.prompt_candidates, "prompt", limits)
+        top, _ = checks.top_n(resp.prompt_candidates, "prompt", limits)
         kwargs["prompt_logprobs"] = top
         plan_extra["prompt_logprob_start"] = resp.prompt_logprob_start or 0
     if resp.return_output_logprobs:
-        top, ids = top_n(resp.output_candidates, "output", limits)
+        top, ids = checks.top_n(resp.output_candidates, "output", limits)
         kwargs["logprobs"] = top
         if ids:
             kwargs["logprob_token_ids"] = ids
         plan_extra["top_n"] = top
-    guided = guide(request.guided, limits)
+    guided = checks.guide(request.guided, limits)
     if guided is not None:
         kind, value = guided
         kwargs["structured_outputs"] = StructuredOutputsParams(**{_GUIDES[kind]: value})
-    kv = request.kv
-    if kv is not None:
-        if kv.cache_salt is not None:
-            if not kv.cache_salt:
-                raise invalid("kv.cache_salt is empty (omit it for no salt)")
-            prompt["cache_salt"] = kv.cache_salt
-        if kv.bypass_prefix_cache:
-            kwargs["skip_reading_prefix_cache"] = True
+    salt, bypass = checks.kv_values(request)
+    if salt is not None:
+        prompt["cache_salt"] = salt
+    if bypass:
+        kwargs["skip_reading_prefix_cache"] = True
     try:
         params = SamplingParams(**kwargs)
     except (ValueError, TypeError) as err:
-        raise invalid(f"sampling options: {err}") from None
+        raise checks.invalid(f"sampling options: {err}") from None
     return VllmPlan(
         request_id=request.request_id,
         prompt=prompt,
