@@ -147,7 +147,7 @@ def test_relay_figures_and_goals() -> None:
     assert fig["ratios"]["throughput_vs_engineclient"] == pytest.approx(10 / 12)
     goals = {g["goal"]: g for g in analysis.goals({"relay": fig})}
     assert goals["relay tokens/s at 256 streams"]["met"] is True
-    assert goals["relay vs direct EngineClient"]["met"] is False  # 0.83x < 0.85x
+    assert goals["relay vs direct EngineClient"]["met"] is True  # 0.83x >= 0.7x
     assert goals["relay vs direct grpcio client"]["met"] is False  # 0.33x < 0.95x
     assert goals["sidecar CPU/token vs grpcio client"]["met"] is False  # 3x > 1.1x
     fast = {
