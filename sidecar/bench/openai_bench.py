@@ -110,8 +110,9 @@ def _say(b: Bench, label: str, fig: dict[str, Any], ref: str) -> None:
 
 
 @asynccontextmanager
-async def _vllm_serve(tmp: Path, model: Path) -> AsyncIterator[str]:
-    """Stock ``vllm serve`` (its API server module) on ``model``; yields its OpenAI base URL."""
+async def _vllm_serve(tmp: Path, model: Path) -> AsyncIterator[tuple[str, int]]:
+    """Stock ``vllm serve`` (its API server module) on ``model``; yields its OpenAI base URL
+    and its process id."""
     import socket
 
     import httpx
@@ -137,7 +138,7 @@ async def _vllm_serve(tmp: Path, model: Path) -> AsyncIterator[str]:
     ]
     env = {**DEFAULT_ENV, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
     url = f"http://127.0.0.1:{port}/v1"
-    async with procs.spawn("vllm-serve", argv, env):
+    async with procs.spawn("vllm-serve", argv, env) as proc:
         deadline = time.monotonic() + 600
         async with httpx.AsyncClient() as http:
             while True:  # its readiness is its models endpoint answering (no line of ours to wait for)
@@ -149,7 +150,7 @@ async def _vllm_serve(tmp: Path, model: Path) -> AsyncIterator[str]:
                 if time.monotonic() > deadline:
                     raise procs.BenchError("vllm serve did not start in 600 s")
                 await trio.sleep(0.5)
-        yield url
+        yield url, proc.pid
 
 
 async def _measure(b: Bench, url: str, pids: dict[str, int]) -> dict[str, list[dict[str, Any]]]:
@@ -177,13 +178,27 @@ async def _vllm(b: Bench) -> dict[str, Any]:
             pids = {"sidecar": sc.proc.pid, "vllm": eng.pid}
             pids.update({f"vllm-child{i}": p for i, p in enumerate(descendants(eng.pid))})
             ours = await _measure(b, url, pids)
-    async with _vllm_serve(tmp, tmp / "tiny-llama") as url:
-        theirs = await _measure(b, url, {})
+    async with _vllm_serve(tmp, tmp / "tiny-llama") as (url, pid):
+        pids = {"vllm": pid}
+        pids.update({f"vllm-child{i}": p for i, p in enumerate(descendants(pid))})
+        theirs = await _measure(b, url, pids)
     out: dict[str, Any] = {
         "config": {"tokens": b.config.openai_vllm_tokens, "rounds": b.config.openai_rounds}
     }
     for n in map(str, CONCURRENCY):
         fig = _compare(ours[n], theirs[n])
+        # CPU per token of every server process on each path (the sidecar, vllm-engine and
+        # vLLM's engine processes; vllm serve and its engine processes): on a CPU machine both
+        # paths share the cores the model runs on
+        for side in ("front", "reference"):
+            f = fig[side]
+            servers = sum(v for k, v in f["cpu_s"].items() if k != "self")
+            f["server_cpu_us_per_token"] = servers / f["tokens"] * 1e6 if f["tokens"] else float("nan")
         out[n] = fig
         _say(b, f"vLLM c={n}", fig, "vllm serve")
+        b.say(
+            f"    server CPU per token: front path {fig['front']['server_cpu_us_per_token']:,.0f} µs "
+            f"(sidecar {fig['front']['cpu_s'].get('sidecar', 0.0):.2f} s), vllm serve "
+            f"{fig['reference']['server_cpu_us_per_token']:,.0f} µs"
+        )
     return out
