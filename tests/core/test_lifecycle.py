@@ -544,3 +544,31 @@ async def test_a_not_found_abort_is_confirmed_only_while_the_engine_may_not_have
         assert calls == ["answered", "silent", "silent", "silent"]
         assert len(sup.aborts) == 0
         nursery.cancel_scope.cancel()
+
+
+async def test_stream_log_fields_and_active_streams_while_it_runs(
+    server: RunningServer, supervisor: StreamSupervisor
+) -> None:
+    """While a stream is relayed its log records carry the request id and the fields its plane
+    gave (``StreamHandle.log_fields``: the WebSocket stream number), and ``active_streams``
+    counts it; after it, neither."""
+    import logging
+
+    from sidecar.logs import _ContextFilter
+
+    seen: list[tuple[object, object, float | None]] = []
+
+    async def emit(ev: pb.GenerateResponse) -> None:
+        record = logging.getLogger("t").makeRecord("t", logging.INFO, __file__, 1, "m", (), None)
+        _ContextFilter().filter(record)
+        active = REGISTRY.get_sample_value("openengine_sidecar_active_streams")
+        seen.append((getattr(record, "request_id", None), getattr(record, "stream", None), active))
+
+    server.engine.streams["Generate"] = lambda r, md: tokens(r.request_id, 2)
+    handle = supervisor.admit(request("r-log"))
+    handle.log_fields = {"stream": 7}
+    with trio.fail_after(5):
+        outcome = await supervisor.run(handle, emit)
+    assert outcome.kind == COMPLETED and seen
+    assert set(seen) == {("r-log", 7, 1.0)}
+    assert REGISTRY.get_sample_value("openengine_sidecar_active_streams") == 0.0
