@@ -376,3 +376,58 @@ async def test_a_websocket_handshake_is_told_which_port_serves_websockets(token:
                 assert (wire.LISTENER_HEADER.encode(), b"http") in rejected.headers
                 assert rejected.body == NOT_THE_WEBSOCKET_PORT.encode()
             assert (await get(port, headers={"authorization": f"Bearer {token}"})).status_code == 200
+
+
+async def test_a_streamed_body_larger_than_the_socket_buffers_arrives_whole() -> None:
+    """Writes the kernel takes only in part (a client reading slower than the app writes) go on
+    through the stream, in order: 4,096 numbered chunks of 4 KiB (16 MiB) arrive byte for byte
+    on a listener with a write timeout (the OpenAI listener's write path), then a second request
+    on the same connection is answered."""
+    chunks = [f"{i:08d}".encode() * 512 for i in range(4096)]
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        while scope["type"] == "lifespan":
+            message = await receive()
+            await send({"type": message["type"] + ".complete"})
+            if message["type"] == "lifespan.shutdown":
+                return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for chunk in chunks if scope["path"] == "/big" else [b"small"]:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    limits = HttpLimits(write_timeout=10.0)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(partial(serve_http, app, "127.0.0.1:0", limits=limits))
+        with trio.fail_after(60):
+            async with httpx.AsyncClient() as client:
+                body = bytearray()
+                async with client.stream("GET", f"http://127.0.0.1:{port}/big", timeout=30) as r:
+                    async for part in r.aiter_raw(1024):  # small reads: the server's writes block
+                        body += part
+                assert bytes(body) == b"".join(chunks)
+                assert (await client.get(f"http://127.0.0.1:{port}/small", timeout=5)).content == b"small"
+        nursery.cancel_scope.cancel()
+
+
+async def test_write_now_takes_what_the_kernel_takes_and_nothing_on_tls() -> None:
+    """``_write_now``: all of a small write on plain TCP, part of one larger than the socket
+    buffers (the rest is the stream's), none on a stream that is not a plain socket."""
+    from sidecar.north._hypercorn_internals import _write_now
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    async with trio.open_nursery() as nursery:
+        peer: list[trio.SocketStream] = []
+
+        async def accept() -> None:
+            peer.append(await listeners[0].accept())
+
+        nursery.start_soon(accept)
+        client = await trio.open_tcp_stream("127.0.0.1", port)
+    assert _write_now(client, b"hello") == 5
+    assert 0 < _write_now(client, b"x" * (64 * 1024 * 1024)) < 64 * 1024 * 1024
+    assert _write_now(trio.StapledStream(client, client), b"hello") == 0  # type: ignore[arg-type]
+    await client.aclose()
+    await peer[0].aclose()
+    await listeners[0].aclose()
