@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 import socket
 from collections.abc import Awaitable, Callable
 from types import ModuleType
@@ -57,6 +56,7 @@ from sidecar.north.http_connections import HttpConnections
 from sidecar.north.peers import peer_of
 from sidecar.nursery import first_leaf
 from sidecar.quoting import clip
+from sidecar.socket_writes import write_now
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class CountedServer(TCPServer):
     accept (before a TLS handshake) to the close; its requests mark it busy, their ends idle.
     With the config's ``write_timeout``, a write still waiting for the client after it closes
     the connection (the app sees ``http.disconnect``): hypercorn's own writes wait forever.
-    Then a write with none under way goes to the kernel at once (:func:`_write_now`); what the
+    Then a write with none under way goes to the kernel at once (:func:`sidecar.socket_writes.write_now`); what the
     kernel does not take goes through the stream, in order, under the send lock."""
 
     async def run(self) -> None:
@@ -168,7 +168,7 @@ class CountedServer(TCPServer):
             return
         data: bytes | memoryview = event.data
         if not self.send_lock.locked():  # no write under way: try to write it all at once
-            sent = _write_now(self.stream, event.data)
+            sent = write_now(self.stream, event.data)
             if sent == len(event.data):
                 return
             data = memoryview(event.data)[sent:]
@@ -193,22 +193,6 @@ class CountedServer(TCPServer):
             )
             await trio.aclose_forcefully(self.stream)
             await self.protocol.handle(Closed())
-
-
-def _write_now(stream: trio.abc.Stream, data: bytes) -> int:
-    """Bytes of ``data`` the kernel took at once on a plain TCP stream (its socket is
-    non-blocking): 0 for a TLS stream, a full socket buffer or any error — the caller then
-    writes the rest through the stream, which waits for room and raises what it raises.
-
-    Why: hypercorn's write path yields to the scheduler twice per write (the send lock, the
-    socket send), and a streamed response writes once per event: taking the write at once when
-    the kernel can is a fifth of the OpenAI front's CPU per token (docs/results/openai-front.md)."""
-    if type(stream) is not trio.SocketStream:
-        return 0
-    try:
-        return os.write(stream.socket.fileno(), data)
-    except OSError:
-        return 0
 
 
 class Http11Only(H11Protocol):

@@ -30,6 +30,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection
 from wsproto.events import BytesMessage, TextMessage
 
 from sidecar.north import _trio_websocket_internals as internals
+from sidecar.socket_writes import write_now
 
 #: Most bytes one socket write carries (a single larger frame is written alone).
 MAX_WRITE = 64 * 1024
@@ -92,27 +93,42 @@ class BatchWriter:
             chunks.append((b"".join(parts), ends))
         stream = internals.transport(ws)
         lock = internals.write_lock(ws)
+        plain = stream if isinstance(stream, trio.SocketStream) else None  # not TLS
         for data, frame_ends in chunks:
-            async with lock:
+            sent = 0
+            if lock.locked():
+                await lock.acquire()
+            else:  # no write under way: offer it to the kernel at once, without a yield
+                if not (internals.close_reason(ws) or self.interrupted) and plain is not None:
+                    sent = write_now(plain, data)
+                    if sent == len(data):
+                        continue
+                lock.acquire_nowait()  # nothing ran since the check: it is free
+            try:
                 if internals.close_reason(ws) or self.interrupted:
-                    # closed while we waited: nothing may follow the close frame
+                    # closed while we waited: nothing may follow the close frame (nothing was
+                    # written at once in that case)
                     raise ConnectionClosed(internals.close_reason(ws))
                 try:
-                    if isinstance(stream, trio.SocketStream):
-                        await self._write_frames(stream.socket, data, frame_ends)
+                    if plain is not None:
+                        await self._write_frames(plain.socket, data, frame_ends, sent)
                     else:
                         await stream.send_all(data)
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                     await internals.abort(ws)
                     raise ConnectionClosed(internals.close_reason(ws)) from None
+            finally:
+                lock.release()
             if self.interrupted:
                 raise ConnectionClosed(internals.close_reason(ws))
 
-    async def _write_frames(self, sock: trio.socket.SocketType, data: bytes, frame_ends: list[int]) -> None:
-        """Write ``data``; when interrupted, stop at the end of the frame in progress. (A trio
-        socket's ``send`` that raises Cancelled sent nothing, so ``sent`` is exact.)"""
+    async def _write_frames(
+        self, sock: trio.socket.SocketType, data: bytes, frame_ends: list[int], sent: int = 0
+    ) -> None:
+        """Write ``data`` from offset ``sent``; when interrupted, stop at the end of the frame in
+        progress. (A trio socket's ``send`` that raises Cancelled sent nothing, so ``sent`` is
+        exact.)"""
         view = memoryview(data)
-        sent = 0
         with trio.CancelScope() as scope:
             self._scope = scope
             if self.interrupted:

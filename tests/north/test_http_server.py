@@ -408,26 +408,3 @@ async def test_a_streamed_body_larger_than_the_socket_buffers_arrives_whole() ->
                 assert bytes(body) == b"".join(chunks)
                 assert (await client.get(f"http://127.0.0.1:{port}/small", timeout=5)).content == b"small"
         nursery.cancel_scope.cancel()
-
-
-async def test_write_now_takes_what_the_kernel_takes_and_nothing_on_tls() -> None:
-    """``_write_now``: all of a small write on plain TCP, part of one larger than the socket
-    buffers (the rest is the stream's), none on a stream that is not a plain socket."""
-    from sidecar.north._hypercorn_internals import _write_now
-
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    port = listeners[0].socket.getsockname()[1]
-    async with trio.open_nursery() as nursery:
-        peer: list[trio.SocketStream] = []
-
-        async def accept() -> None:
-            peer.append(await listeners[0].accept())
-
-        nursery.start_soon(accept)
-        client = await trio.open_tcp_stream("127.0.0.1", port)
-    assert _write_now(client, b"hello") == 5
-    assert 0 < _write_now(client, b"x" * (64 * 1024 * 1024)) < 64 * 1024 * 1024
-    assert _write_now(trio.StapledStream(client, client), b"hello") == 0  # type: ignore[arg-type]
-    await client.aclose()
-    await peer[0].aclose()
-    await listeners[0].aclose()

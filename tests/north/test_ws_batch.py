@@ -22,10 +22,29 @@ from sidecar.north import ws_batch
 from sidecar.north.ws_batch import BatchWriter, send_batch, supported
 
 
-async def test_batch_arrives_as_separate_messages_in_order() -> None:
+def _count_writes_now(monkeypatch: pytest.MonkeyPatch, record: Any) -> None:
+    """Also count the writes the kernel takes at once (``ws_batch.write_now``, no socket send)."""
+    original = ws_batch.write_now
+
+    def counting(target: Any, data: Any) -> int:
+        n = original(target, data)
+        if n:
+            record(n)
+        return n
+
+    monkeypatch.setattr(ws_batch, "write_now", counting)
+
+
+async def test_batch_arrives_as_separate_messages_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
     frames: list[str | bytes] = [f"text-{i}" if i % 3 else f"bin-{i}".encode() for i in range(300)]
     writes = 0
     batch_writes: list[int] = []
+
+    def one_write(n: int) -> None:
+        nonlocal writes
+        writes += 1
+
+    _count_writes_now(monkeypatch, one_write)
 
     async def handler(request: WebSocketRequest) -> None:
         nonlocal writes
@@ -88,11 +107,12 @@ async def test_closed_connection_raises_connection_closed() -> None:
             nursery.cancel_scope.cancel()
 
 
-async def test_writes_are_bounded_and_frame_aligned() -> None:
+async def test_writes_are_bounded_and_frame_aligned(monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch bigger than ``max_write`` goes out in several writes, each ending on a frame
     boundary (the client still gets every message, in order)."""
     frames: list[str | bytes] = [json.dumps({"i": i, "pad": "x" * 500}) for i in range(100)]
     sizes: list[int] = []
+    _count_writes_now(monkeypatch, sizes.append)
 
     async def handler(request: WebSocketRequest) -> None:
         ws = await request.accept()

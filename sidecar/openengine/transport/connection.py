@@ -78,6 +78,7 @@ from sidecar.openengine.transport.grpc_framing import (
     header_map,
     response_problem,
 )
+from sidecar.socket_writes import write_now
 
 log = logging.getLogger(__name__)
 
@@ -346,7 +347,9 @@ class EngineConnection:
                 self._out.clear()
             if data:
                 try:
-                    await self._stream.send_all(data)
+                    sent = write_now(self._stream, data)
+                    if sent < len(data):
+                        await self._stream.send_all(memoryview(data)[sent:])
                 except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as err:
                     self.close(f"engine connection lost while sending ({type(err).__name__}: {err})")
                     return
