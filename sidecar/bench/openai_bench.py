@@ -117,25 +117,16 @@ async def _vllm_serve(tmp: Path, model: Path) -> AsyncIterator[tuple[str, int]]:
 
     import httpx
 
-    from sidecar.engines.vllm.config import DEFAULT_ENV
+    from sidecar.engines.vllm.config import DEFAULT_ENV, VllmSettings, serve_argv
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
     # vllm-engine's settings (sidecar.bench.vllm_bench.vllm_engine, and its own defaults)
-    argv += ["--served-model-name", "tiny-llama", "--dtype", "float32", "--block-size", "32"]
-    argv += [
-        "--enforce-eager",
-        "--max-logprobs",
-        "20",
-        "--seed",
-        "0",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-    ]
+    settings = VllmSettings(
+        model=str(model), served_model_names=("tiny-llama",), dtype="float32", block_size=32
+    )
+    argv = serve_argv(settings, sys.executable, port)
     env = {**DEFAULT_ENV, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
     url = f"http://127.0.0.1:{port}/v1"
     async with procs.spawn("vllm-serve", argv, env) as proc:

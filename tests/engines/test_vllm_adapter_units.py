@@ -185,3 +185,21 @@ def test_the_kv_publisher_is_advertised_at_a_routable_host(
 ) -> None:
     settings: Any = VllmSettings(model="/m", listen=listen, kv_host=kv_host)
     assert settings.advertised_kv_host() == advertised
+
+
+def test_serve_argv_is_vllm_serve_on_the_adapter_settings() -> None:
+    """``serve_argv``: stock ``vllm serve`` with the settings ``vllm-engine`` runs the engine
+    with (only the ones given, plus its own defaults: eager, logprobs, seed)."""
+    from sidecar.engines.vllm.config import VllmSettings, serve_argv
+
+    settings = VllmSettings(
+        model="/m", served_model_names=("a", "b"), dtype="float32", block_size=32, max_model_len=8192
+    )
+    assert serve_argv(settings, "py", 8000) == [
+        "py", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m",
+        "--served-model-name", "a", "b", "--dtype", "float32", "--block-size", "32",
+        "--max-model-len", "8192", "--enforce-eager", "--max-logprobs", "20", "--seed", "0",
+        "--host", "127.0.0.1", "--port", "8000",
+    ]  # fmt: skip
+    plain = serve_argv(VllmSettings(model="/m", enforce_eager=False, prefix_caching=False), "py", 1)
+    assert "--enforce-eager" not in plain and "--no-enable-prefix-caching" in plain

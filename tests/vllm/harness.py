@@ -125,38 +125,21 @@ def start_vllm_serve(model: Path, tmp: Path) -> VllmServe:
 
     import httpx
 
-    from sidecar.engines.vllm.config import DEFAULT_ENV
+    from sidecar.engines.vllm.config import DEFAULT_ENV, VllmSettings, serve_argv
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = tmp / "vllm-serve.log"
-    argv = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model),
-        "--served-model-name",
-        MODEL,
-        "--dtype",
-        "float32",
-        "--block-size",
-        str(BLOCK),
-        "--num-gpu-blocks-override",
-        str(KV_BLOCKS),
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--enforce-eager",
-        "--max-logprobs",
-        "20",
-        "--seed",
-        "0",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-    ]
+    settings = VllmSettings(
+        model=str(model),
+        served_model_names=(MODEL,),
+        dtype="float32",
+        block_size=BLOCK,
+        kv_cache_blocks=KV_BLOCKS,
+        max_model_len=MAX_MODEL_LEN,
+    )
+    argv = serve_argv(settings, sys.executable, port)
     env = {**engine_env(tmp), **DEFAULT_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}
     with log.open("wb") as log_fh:
         process = subprocess.Popen(

@@ -15,7 +15,7 @@ from sidecar.engines.common import settings as common
 from sidecar.engines.common.net import KvEndpoints
 from sidecar.engines.common.settings import AdapterSettings, kv_endpoints
 
-__all__ = ["DEFAULT_ENV", "VllmSettings", "apply_env", "engine_args", "kv_endpoints"]
+__all__ = ["DEFAULT_ENV", "VllmSettings", "apply_env", "engine_args", "kv_endpoints", "serve_argv"]
 
 #: Environment the adapter sets unless the caller already did: a local model directory needs
 #: no hub, vLLM's usage reporting stays off, and single-node addresses stay on this host.
@@ -47,6 +47,30 @@ def apply_env(settings: VllmSettings) -> None:
     """Set :data:`DEFAULT_ENV` (unless set) and the CPU KV cache size for vLLM's processes."""
     common.apply_env(settings, DEFAULT_ENV)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_gib))
+
+
+def serve_argv(settings: VllmSettings, python: str, port: int) -> list[str]:
+    """Stock ``vllm serve`` (its API server module, run by ``python``) on 127.0.0.1:``port`` with
+    the engine settings :func:`engine_args` gives ``vllm-engine`` (for comparisons with vLLM's own
+    server; no KV events, no scheduling policy flag)."""
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", settings.model]
+    if settings.served_model_names:
+        argv += ["--served-model-name", *settings.served_model_names]
+    optional = {
+        "--block-size": settings.block_size,
+        "--num-gpu-blocks-override": settings.kv_cache_blocks,
+        "--max-model-len": settings.max_model_len,
+        "--max-num-seqs": settings.max_num_seqs,
+        "--max-num-batched-tokens": settings.max_num_batched_tokens,
+    }
+    argv += ["--dtype", settings.dtype]
+    for flag, value in optional.items():
+        if value is not None:
+            argv += [flag, str(value)]
+    argv += ["--enforce-eager"] if settings.enforce_eager else []
+    argv += [] if settings.prefix_caching else ["--no-enable-prefix-caching"]
+    argv += ["--max-logprobs", str(settings.max_logprobs), "--seed", str(settings.seed)]
+    return [*argv, "--host", "127.0.0.1", "--port", str(port)]
 
 
 def engine_args(settings: VllmSettings, kv: KvEndpoints | None) -> Any:
