@@ -27,7 +27,7 @@ RANK: dict[str, int] = {
     "sdnotify": 0,
     "quoting": 0,
     "json_types": 0,
-    "socket_writes": 0,
+    "socket_io": 0,
     "loopwatch": 1,
     "tracing": 1,
     "openengine": 1,

@@ -29,14 +29,15 @@ from types import ModuleType
 from typing import cast
 
 import h11
+import h11._writers
 import hypercorn.trio.run
 import hypercorn.trio.tcp_server
 import trio
 from hypercorn.config import Config, Sockets
 from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol import ProtocolWrapper
+from hypercorn.protocol.events import Body, StreamClosed
 from hypercorn.protocol.events import Event as StreamEvent
-from hypercorn.protocol.events import StreamClosed
 from hypercorn.protocol.h11 import H2ProtocolAssumedError, H11Protocol
 from hypercorn.trio.run import worker_serve
 from hypercorn.trio.tcp_server import TCPServer
@@ -56,7 +57,7 @@ from sidecar.north.http_connections import HttpConnections
 from sidecar.north.peers import peer_of
 from sidecar.nursery import first_leaf
 from sidecar.quoting import clip
-from sidecar.socket_writes import write_now
+from sidecar.socket_io import write_now
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,8 @@ def missing_internals() -> list[str]:
     missing += [f"ProtocolWrapper({name}=)" for name in WRAPPER_STATE if name not in wrapper_params]
     if tuple(inspect.signature(H11Protocol.__init__).parameters)[1:] != H11_PARAMETERS:
         missing.append(f"H11Protocol{H11_PARAMETERS} (positional)")
+    if not hasattr(h11._writers, "ChunkedWriter") or "_writer" not in vars(h11.Connection(h11.SERVER)):
+        missing.append("h11.Connection._writer (a ChunkedWriter while a chunked body is sent)")
     if "sockets" not in inspect.signature(worker_serve).parameters:
         missing.append("worker_serve(sockets=)")
     return missing
@@ -139,7 +142,7 @@ class CountedServer(TCPServer):
     accept (before a TLS handshake) to the close; its requests mark it busy, their ends idle.
     With the config's ``write_timeout``, a write still waiting for the client after it closes
     the connection (the app sees ``http.disconnect``): hypercorn's own writes wait forever.
-    Then a write with none under way goes to the kernel at once (:func:`sidecar.socket_writes.write_now`); what the
+    Then a write with none under way goes to the kernel at once (:func:`sidecar.socket_io.write_now`); what the
     kernel does not take goes through the stream, in order, under the send lock."""
 
     async def run(self) -> None:
@@ -197,9 +200,18 @@ class CountedServer(TCPServer):
 
 class Http11Only(H11Protocol):
     """HTTP/1.1 without its two ways into HTTP/2; a response's head leaves with its first body
-    bytes (one write, not two: hypercorn writes the head as soon as the app starts the response)."""
+    bytes (one write, not two: hypercorn writes the head as soon as the app starts the response);
+    a chunk of a chunked body is framed here (h11's own framing, without its per-event state
+    machine: a body chunk changes no state, and h11 keeps every other event)."""
 
     _held = b""
+
+    def _chunked_body(self) -> bool:
+        """Whether the response is in its body, sent with chunked transfer coding."""
+        c = self.connection
+        return (
+            c.our_state is h11.SEND_BODY and type(getattr(c, "_writer", None)) is h11._writers.ChunkedWriter
+        )
 
     async def _send_h11_event(self, event: H11SendableEvent) -> None:
         try:
@@ -215,6 +227,11 @@ class Http11Only(H11Protocol):
         await self.send(RawData(data=held + data))
 
     async def stream_send(self, event: StreamEvent) -> None:
+        if type(event) is Body and self._chunked_body():
+            if event.data:  # (an empty chunk would end the body: h11 sends none either)
+                held, self._held = self._held, b""
+                await self.send(RawData(data=b"%b%x\r\n%b\r\n" % (held, len(event.data), event.data)))
+            return
         if isinstance(event, StreamClosed) and self._held:  # a head with no body after it
             held, self._held = self._held, b""
             await self.send(RawData(data=held))

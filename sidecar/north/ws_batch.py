@@ -30,7 +30,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection
 from wsproto.events import BytesMessage, TextMessage
 
 from sidecar.north import _trio_websocket_internals as internals
-from sidecar.socket_writes import write_now
+from sidecar.socket_io import write_now
 
 #: Most bytes one socket write carries (a single larger frame is written alone).
 MAX_WRITE = 64 * 1024

@@ -15,6 +15,7 @@ from typing import Any
 import h2.config
 import h2.connection
 import h2.events
+import h11
 import httpx
 import hypercorn.trio.tcp_server
 import pytest
@@ -408,3 +409,50 @@ async def test_a_streamed_body_larger_than_the_socket_buffers_arrives_whole() ->
                 assert bytes(body) == b"".join(chunks)
                 assert (await client.get(f"http://127.0.0.1:{port}/small", timeout=5)).content == b"small"
         nursery.cancel_scope.cancel()
+
+
+async def test_chunked_body_framed_byte_for_byte_length_bodies_left_to_h11(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A chunked body's chunks are framed by the listener itself (h11 sees none of them), byte
+    for byte as RFC 9112 §7.1 and h11 frame them; a body of a declared length still goes through
+    h11, which checks it; the connection serves the next request after both."""
+    through_h11: list[str] = []
+    original = h11.Connection.send
+
+    def counting(self: h11.Connection, event: Any) -> bytes | None:
+        through_h11.append(type(event).__name__)
+        return original(self, event)
+
+    monkeypatch.setattr(h11.Connection, "send", counting)
+    parts = [b"a", b"bb" * 100, b"\r\n0\r\n"]
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        while scope["type"] == "lifespan":
+            message = await receive()
+            await send({"type": message["type"] + ".complete"})
+            if message["type"] == "lifespan.shutdown":
+                return
+        if scope["path"] == "/length":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"5")]})
+            await send({"type": "http.response.body", "body": b"hello"})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for part in parts:
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    limits = HttpLimits(write_timeout=10.0)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(partial(serve_http, app, "127.0.0.1:0", limits=limits))
+        requests = b"GET /chunked HTTP/1.1\r\nhost: x\r\n\r\nGET /length HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+        with trio.fail_after(10):
+            raw = await raw_exchange(port, requests)
+        nursery.cancel_scope.cancel()
+    first, second = raw.split(b"HTTP/1.1 200 ", 2)[1:]
+    assert b"transfer-encoding: chunked\r\n" in first.lower()
+    body = first.split(b"\r\n\r\n", 1)[1]
+    assert body == b"1\r\na\r\nc8\r\n" + b"bb" * 100 + b"\r\n5\r\n\r\n0\r\n\r\n0\r\n\r\n"
+    assert b"content-length: 5\r\n" in second.lower() and second.endswith(b"\r\n\r\nhello")
+    assert through_h11.count("Data") == 1  # the declared-length body only
+    assert through_h11.count("Response") == 2 and through_h11.count("EndOfMessage") == 2

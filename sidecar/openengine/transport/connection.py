@@ -78,7 +78,7 @@ from sidecar.openengine.transport.grpc_framing import (
     header_map,
     response_problem,
 )
-from sidecar.socket_writes import write_now
+from sidecar.socket_io import receive_some, write_now
 
 log = logging.getLogger(__name__)
 
@@ -441,11 +441,11 @@ class EngineConnection:
     # -- reading -------------------------------------------------------------------------------
 
     async def _read_loop(self) -> None:
-        receive = self._stream.receive_some
+        stream = self._stream
         conn = self._h2
         try:
             while True:
-                data = await receive(_READ_SIZE)
+                data = await receive_some(stream, _READ_SIZE)
                 if not data:
                     self._lost(CallError("the engine closed the connection", lost=True))
                     return
