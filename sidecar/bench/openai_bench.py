@@ -117,6 +117,7 @@ async def _vllm_serve(tmp: Path, model: Path) -> AsyncIterator[tuple[str, int]]:
 
     import httpx
 
+    from sidecar.bench.vllm_bench import ENV
     from sidecar.engines.vllm.config import DEFAULT_ENV, VllmSettings, serve_argv
 
     with socket.socket() as s:
@@ -127,7 +128,7 @@ async def _vllm_serve(tmp: Path, model: Path) -> AsyncIterator[tuple[str, int]]:
         model=str(model), served_model_names=("tiny-llama",), dtype="float32", block_size=32
     )
     argv = serve_argv(settings, sys.executable, port)
-    env = {**DEFAULT_ENV, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
+    env = {**DEFAULT_ENV, **ENV, "VLLM_CPU_KVCACHE_SPACE": str(settings.kv_cache_gib)}
     url = f"http://127.0.0.1:{port}/v1"
     async with procs.spawn("vllm-serve", argv, env) as proc:
         deadline = time.monotonic() + 600

