@@ -48,14 +48,14 @@ async def receive_some(stream: trio.abc.ReceiveStream, max_bytes: int) -> bytes 
     ``stream``."""
     if type(stream) is not trio.SocketStream:
         return await stream.receive_some(max_bytes)
-    sock = stream.socket
-    if sock.fileno() < 0:
+    fd = stream.socket.fileno()
+    if fd < 0:
         raise trio.ClosedResourceError("this socket was already closed")
     try:
         while True:
-            await trio.lowlevel.wait_readable(sock)
+            await trio.lowlevel.wait_readable(fd)  # a close meanwhile raises ClosedResourceError
             try:
-                return os.read(sock.fileno(), max_bytes)
+                return os.read(fd, max_bytes)
             except BlockingIOError:  # readable, then taken by nothing: a spurious wake-up
                 continue
     except OSError as err:  # as trio's SocketStream translates them

@@ -76,6 +76,17 @@ async def raw_exchange(port: int, data: bytes, *, wait: float = 5) -> bytes:
     return out
 
 
+async def lifespan(scope: Any, receive: Any, send: Any) -> bool:
+    """Answer hypercorn's lifespan messages for a bare ASGI app; True when ``scope`` was lifespan."""
+    if scope["type"] != "lifespan":
+        return False
+    while True:
+        message = await receive()
+        await send({"type": message["type"] + ".complete"})
+        if message["type"] == "lifespan.shutdown":
+            return True
+
+
 async def closed_after(port: int, data: bytes, limit: float) -> float:
     """Seconds until the server closes a connection that sent ``data`` (fails past ``limit``)."""
     stream = await trio.open_tcp_stream("127.0.0.1", port)
@@ -387,11 +398,8 @@ async def test_a_streamed_body_larger_than_the_socket_buffers_arrives_whole() ->
     chunks = [f"{i:08d}".encode() * 512 for i in range(4096)]
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
-        while scope["type"] == "lifespan":
-            message = await receive()
-            await send({"type": message["type"] + ".complete"})
-            if message["type"] == "lifespan.shutdown":
-                return
+        if await lifespan(scope, receive, send):
+            return
         await send({"type": "http.response.start", "status": 200, "headers": []})
         for chunk in chunks if scope["path"] == "/big" else [b"small"]:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -428,11 +436,8 @@ async def test_chunked_body_framed_byte_for_byte_length_bodies_left_to_h11(
     parts = [b"a", b"bb" * 100, b"\r\n0\r\n"]
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
-        while scope["type"] == "lifespan":
-            message = await receive()
-            await send({"type": message["type"] + ".complete"})
-            if message["type"] == "lifespan.shutdown":
-                return
+        if await lifespan(scope, receive, send):
+            return
         if scope["path"] == "/length":
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"5")]})
             await send({"type": "http.response.body", "body": b"hello"})
