@@ -28,7 +28,6 @@ This module is the sidecar's cancellation contract (docs/LIFECYCLE.md):
 from __future__ import annotations
 
 import logging
-import math
 import secrets
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
@@ -37,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from sidecar.core import metrics, stream_spans
+from sidecar.core import idle_watch, metrics, stream_spans
 from sidecar.core.abort_sender import AbortSender
 from sidecar.core.errors import Rejection, error_code_name
 from sidecar.core.handoff import splice_kv_session
@@ -409,10 +408,11 @@ class _Relay:
         with idle:
             async with engine.generate(h.request, metadata=h.metadata) as stream:
                 self.stream = h._upstream = stream
-                if first:
-                    idle.deadline = trio.current_time() + first
                 try:
-                    await self._pump(stream, idle, cfg.inactivity_timeout)
+                    with idle_watch.waiter(idle) as waiter:
+                        if first:
+                            waiter.arm(first)
+                        await self._pump(stream, waiter, cfg.inactivity_timeout)
                 except EngineTerminalError as err:
                     self.outcome = Outcome(FAILED, err.code, err.message, err.retryable)
                     if isinstance(err.event, pb.GenerateResponse):
@@ -449,21 +449,19 @@ class _Relay:
             self.outcome = OUTCOME_COMPLETED
 
     async def _pump(
-        self, stream: EngineStream[pb.GenerateResponse], idle: trio.CancelScope, timeout: float
+        self, stream: EngineStream[pb.GenerateResponse], waiter: idle_watch.Waiter, timeout: float
     ) -> None:
         """Relay every event to ``emit``. Per token only a few integer operations: tokens are
         added to ``TOKENS`` in bulk (every ``TOKENS_FLUSH`` and at the end), ``TTFT`` once,
         ``ITL`` on a sample (the first gap, then one in ``ITL_SAMPLE``).
 
-        ``idle``'s deadline bounds only the waits for the engine: it is lifted while events
-        are relayed (``emit`` may wait for a slow client) and set again (``timeout`` from
-        now) only when the next event has not arrived yet (``stream.ready``) — events that
-        arrived together cost no deadline change between them."""
+        ``waiter`` bounds only the waits for the engine: disarmed while events are relayed
+        (``emit`` may wait for a slow client) and armed again (``timeout`` from now) only when
+        the next event has not arrived yet (``stream.ready``)."""
         emit, started, now = self.emit, self.handle.admitted_at, trio.current_time
         flush, sample = metrics.TOKENS_FLUSH, metrics.ITL_SAMPLE
         progress = self.progress
         trace = self.handle.trace
-        armed = idle.deadline != math.inf  # the first-event bound
         tokens = events = flushed = 0
         gap_start: float | None = None  # set at the token event that opens a sampled gap
         ev: pb.GenerateResponse | None = None
@@ -491,13 +489,10 @@ class _Relay:
                         metrics.TOKENS.inc(tokens)
                         flushed += tokens
                         tokens = 0
-                if armed:
-                    idle.deadline = math.inf
-                    armed = False
+                waiter.disarm()
                 await emit(ev)
                 if timeout and not stream.ready:
-                    idle.deadline = now() + timeout
-                    armed = True
+                    waiter.arm(timeout)
         finally:
             if tokens:
                 metrics.TOKENS.inc(tokens)
