@@ -71,7 +71,7 @@ class IdleWatch:
     def expire(self, now: float) -> float:
         """Fire every waiter whose wait ran out by ``now``; the earliest expiry left."""
         earliest = math.inf
-        for waiter in self.waiters:
+        for waiter in tuple(self.waiters):  # (a cancel runs the waiting task's abort function)
             expires = waiter.expires
             if expires <= now:
                 waiter.expires = math.inf
@@ -81,6 +81,7 @@ class IdleWatch:
         return earliest
 
     async def run(self) -> None:
+        """Fire what ran out, sleep until the earliest expiry left; until the run cancels it."""
         while True:
             self.wakes_at = self.expire(trio.current_time())
             self._sleep = trio.CancelScope(deadline=self.wakes_at)
