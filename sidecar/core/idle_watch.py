@@ -50,7 +50,7 @@ class Waiter:
 
     def __exit__(self, *exc: object) -> None:
         self._watch.waiters.discard(self)
-        self.expires = math.inf
+        self.disarm()
 
 
 class IdleWatch:
