@@ -382,9 +382,6 @@ class _Exchange:
         self.send = send
         self.started = False
         self.gone = False
-        #: The stream is running (a lost client cancels it; after it, the writes are cancelled).
-        self.streaming = True
-        self.writes = trio.CancelScope()
         #: SSE chunks held for one write (events that arrived together).
         self.pending: list[bytes] = []
         self.builder = ResponseBuilder(
@@ -396,20 +393,14 @@ class _Exchange:
             stream=mapped.stream,
         )
 
-    def _lost(self) -> None:
-        """The client is gone: cancel the stream, or the writes after it."""
-        self.gone = True
-        self.handle.cancel(OUTCOME_CLIENT_GONE)
-        if not self.streaming:
-            self.writes.cancel()
-
     async def _watch(self) -> None:
-        """Until the response is written: a disconnect ends it (also the listener's close of a
+        """While the stream runs: a disconnect cancels it (also the listener's close of a
         connection whose client took nothing of a write for ``--stall-timeout``)."""
         while True:
             message = await self.receive()
             if message["type"] == "http.disconnect":
-                self._lost()
+                self.gone = True
+                self.handle.cancel(OUTCOME_CLIENT_GONE)
                 return
 
     async def _start(
@@ -464,17 +455,22 @@ class _Exchange:
         self.builder.event(ev)
 
     async def run(self, host: OpenAIHost) -> None:
+        """Run the stream with the disconnect watch beside it, then write the response's end.
+        The end is written after the watch has ended, so that nothing of this request is left
+        to finish once the client has it: a keep-alive client's next request is read at once.
+        A client lost during the end's write fails that write (``ClientGone``); one that takes
+        nothing is closed by the listener's ``--stall-timeout``."""
         emit = self._emit_stream if self.mapped.stream else self._emit_whole
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch)
-            with self.writes:
-                outcome = await host.run_stream(self.handle, emit)
-                self.streaming = False
-                if not self.gone and outcome.kind == COMPLETED:
-                    await self._finish()
-                elif not self.gone:
-                    await self._fail(from_outcome(outcome))
+            outcome = await host.run_stream(self.handle, emit)
             nursery.cancel_scope.cancel()
+        if self.gone:
+            return
+        if outcome.kind == COMPLETED:
+            await self._finish()
+        else:
+            await self._fail(from_outcome(outcome))
 
     async def _finish(self) -> None:
         b = self.builder

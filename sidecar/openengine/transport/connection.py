@@ -11,8 +11,10 @@ events to calls.
 :class:`EngineConnection` (``await nursery.start(conn.run)``):
 
 - writes: the protocol object buffers frames; the writer task sends them after the current
-  scheduler pass, so frames queued together (a new call's HEADERS + DATA, many calls' frames,
-  WINDOW_UPDATEs) leave in one ``send``;
+  scheduler pass, so frames queued together (many calls' frames, WINDOW_UPDATEs, resets)
+  leave in one ``send``. A new call's HEADERS + DATA go out at once when the writer is idle
+  (nothing queued, no write in progress): its first event then waits for the engine alone;
+  the calls started after it in the same pass are coalesced by the writer as before;
 - flow control: a call's bytes are acknowledged to the protocol object (which queues a
   WINDOW_UPDATE once half a window is due) when its caller has taken every complete message
   received (at once while the caller keeps up; the bytes of a message still incomplete too, so
@@ -319,6 +321,20 @@ class EngineConnection:
             if task is not None:
                 trio.lowlevel.reschedule(task)
 
+    def _write_through(self) -> None:
+        """Send what is queued now if the writer is idle (nothing queued before, no write in
+        progress), then wake the writer: frames queued after these in this scheduler pass
+        still leave together in its one send. A new call thus reaches the engine without
+        waiting for the writer's turn twice (its wake-up, its checkpoint)."""
+        if self._writer is not None and not self._want_write and not self._closing:
+            self._out.append(self._h2.data_to_send())
+            data = b"".join(self._out)
+            self._out.clear()
+            sent = write_now(self._stream, data)
+            if sent < len(data):
+                self._out.append(data[sent:])
+        self._flush_soon()
+
     async def _write_loop(self) -> None:
         try:
             await self._write_until_closing()
@@ -378,7 +394,7 @@ class EngineConnection:
         self._send_body(call)
         if call._body:
             self._sending.append(call)
-        self._flush_soon()
+        self._write_through()
         return call
 
     def _send_body(self, call: GrpcCall) -> None:
