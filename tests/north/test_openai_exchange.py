@@ -4,15 +4,15 @@ disconnect watch (the listener and the engine end to end: tests/e2e/test_openai.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any, cast
 
 import trio
 import trio.testing
 
 from sidecar.core.lifecycle import COMPLETED, OUTCOME_CLIENT_GONE, OUTCOME_COMPLETED, Outcome, StreamHandle
 from sidecar.north.openai.request_map import map_completion
-from sidecar.north.openai.routes import OpenAIConfig, _Exchange
+from sidecar.north.openai.routes import OpenAIConfig, OpenAIHost, _Exchange
 from sidecar.openengine import pb
 from tests.dynamo.helpers import mock_card
 from tests.north.test_openai_front import completion, finished, token
@@ -27,7 +27,7 @@ class Client:
 
     def __init__(self) -> None:
         self.watching = False
-        self.sent: list[tuple[dict[str, Any], bool]] = []
+        self.sent: list[tuple[MutableMapping[str, Any], bool]] = []
         self.gone = trio.Event()
 
     async def receive(self) -> dict[str, Any]:
@@ -38,7 +38,7 @@ class Client:
         finally:
             self.watching = False
 
-    async def send(self, message: dict[str, Any]) -> None:
+    async def send(self, message: MutableMapping[str, Any]) -> None:
         self.sent.append((message, self.watching))
 
     def disconnect(self) -> None:
@@ -78,7 +78,7 @@ async def test_the_end_of_a_response_is_written_after_its_disconnect_watch_ended
     client = Client()
     host = Host([token(0, "Hi"), finished(0, pb.FinishReason.STOP, usage=True)])
     with trio.fail_after(5):
-        await exchange(client).run(host)
+        await exchange(client).run(cast(OpenAIHost, host))
     assert host.outcome is not None and host.outcome.kind == COMPLETED
     (last, watched_at_end), body = client.sent[-1], client.sent[1:]
     assert last["type"] == "http.response.body" and not last.get("more_body")
@@ -93,7 +93,7 @@ async def test_a_client_gone_mid_stream_cancels_it_and_gets_no_end() -> None:
     host = Host([token(0, "Hi")], hang=True)
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(exchange(client).run, host)
+            nursery.start_soon(exchange(client).run, cast(OpenAIHost, host))
             while not (client.sent and client.watching):
                 await trio.testing.wait_all_tasks_blocked()
             client.disconnect()

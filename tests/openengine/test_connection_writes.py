@@ -14,6 +14,7 @@ import pytest
 import trio
 import trio.testing
 
+from sidecar import socket_io
 from sidecar.openengine.transport import connection
 from sidecar.openengine.transport.connection import EngineConnection
 
@@ -78,7 +79,7 @@ async def test_calls_started_after_it_in_the_same_pass_leave_in_one_send(
         writes.append(bytes(data))
         return real(target, data)
 
-    real = connection.write_now
+    real = socket_io.write_now
     monkeypatch.setattr(connection, "write_now", counted)
     async with idle_connection() as (conn, engine):
         writes.clear()
