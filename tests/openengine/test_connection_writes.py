@@ -26,7 +26,7 @@ HEADERS = [
     (b"content-type", b"application/grpc"),
     (b"te", b"trailers"),
 ]
-DATA, HEADERS_FRAME = 0x0, 0x1
+DATA, HEADERS_FRAME, RST_STREAM = 0x0, 0x1, 0x3
 SETTINGS = bytes(9)[:3] + b"\x04" + bytes(5)  # an empty SETTINGS frame: the engine's preface
 END_STREAM = 0x1
 
@@ -88,3 +88,14 @@ async def test_calls_started_after_it_in_the_same_pass_leave_in_one_send(
         await trio.testing.wait_all_tasks_blocked()
         assert [{sid for _, _, sid in frames(w)} for w in writes[1:]] == [{second.id, third.id}]
         assert {sid for _, _, sid in frames(engine.recv(1 << 16))} == {first.id, second.id, third.id}
+
+
+async def test_a_cancelled_call_is_reset_at_once_when_the_writer_is_idle() -> None:
+    """The RST_STREAM is on the wire before the caller's next checkpoint: before the Abort the
+    lifecycle then sends on another connection (docs/LIFECYCLE.md, rule 2)."""
+    async with idle_connection() as (conn, engine):
+        call = conn.start_call(HEADERS, b"request")
+        engine.recv(1 << 16)
+        await trio.testing.wait_all_tasks_blocked()
+        call.cancel()
+        assert frames(engine.recv(1 << 16)) == [(RST_STREAM, 0, call.id)]

@@ -12,9 +12,10 @@ events to calls.
 
 - writes: the protocol object buffers frames; the writer task sends them after the current
   scheduler pass, so frames queued together (many calls' frames, WINDOW_UPDATEs, resets)
-  leave in one ``send``. A new call's HEADERS + DATA go out at once when the writer is idle
-  (nothing queued, no write in progress): its first event then waits for the engine alone;
-  the calls started after it in the same pass are coalesced by the writer as before;
+  leave in one ``send``. A new call's HEADERS + DATA, and a reset, go out at once when the
+  writer is idle (its turn not already due, no write under way): a request then waits for the
+  engine alone, and a cancelled call's RST_STREAM leaves before the lifecycle's Abort; what is
+  queued after it in the same pass is coalesced by the writer as before;
 - flow control: a call's bytes are acknowledged to the protocol object (which queues a
   WINDOW_UPDATE once half a window is due) when its caller has taken every complete message
   received (at once while the caller keeps up; the bytes of a message still incomplete too, so
@@ -47,8 +48,8 @@ so a request could reach the engine long after its Abort was answered NOT_FOUND.
 
 Errors: a call fails with :class:`CallError` (``status`` for a gRPC status, ``lost`` for a
 reset stream or a lost connection). Cancellation: :meth:`GrpcCall.cancel` (synchronous, idempotent)
-queues RST_STREAM(CANCEL); the writer task (not the caller's) sends it, whatever the caller's
-scope.
+writes RST_STREAM(CANCEL) at once when the writer is idle, else queues it for the writer task;
+either way no checkpoint of the caller's, whatever the caller's scope.
 """
 
 from __future__ import annotations
@@ -225,7 +226,8 @@ class EngineConnection:
         self._conn_window = conn_window
         self._writer: trio.lowlevel.Task | None = None  # the writer task while it waits
         self._out: list[bytes] = []  # bytes taken from the protocol object by the reader, sent first
-        self._want_write = False
+        self._want_write = False  # the writer is asked to send (its turn comes after this pass)
+        self._writing = False  # the writer waits for the socket in the middle of a send
         self._closing = False  # the reader is done: the writer returns once nothing is queued
         self._written = trio.Event()  # the writer returned
         self._sending: collections.deque[GrpcCall] = collections.deque()  # calls with body left
@@ -322,11 +324,12 @@ class EngineConnection:
                 trio.lowlevel.reschedule(task)
 
     def _write_through(self) -> None:
-        """Send what is queued now if the writer is idle (nothing queued before, no write in
-        progress), then wake the writer: frames queued after these in this scheduler pass
-        still leave together in its one send. A new call thus reaches the engine without
-        waiting for the writer's turn twice (its wake-up, its checkpoint)."""
-        if self._writer is not None and not self._want_write and not self._closing:
+        """Send what is queued now unless the writer's turn is already due or a write is under
+        way, then ask for the writer's turn: what is queued after this in the same scheduler
+        pass still leaves together in its one send. A new call or a reset thus reaches the
+        engine without waiting for the writer twice (its wake-up, its checkpoint), and a reset
+        leaves before the Abort that follows it on another connection."""
+        if not (self._want_write or self._writing or self._closing):
             self._out.append(self._h2.data_to_send())
             data = b"".join(self._out)
             self._out.clear()
@@ -365,7 +368,11 @@ class EngineConnection:
                 try:
                     sent = write_now(self._stream, data)
                     if sent < len(data):
-                        await self._stream.send_all(memoryview(data)[sent:])
+                        self._writing = True
+                        try:
+                            await self._stream.send_all(memoryview(data)[sent:])
+                        finally:
+                            self._writing = False
                 except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as err:
                     self.close(f"engine connection lost while sending ({type(err).__name__}: {err})")
                     return
@@ -423,7 +430,7 @@ class EngineConnection:
     def _ack(self, call: GrpcCall, n: int, *, flush: bool = True) -> None:
         """``n`` received bytes of ``call`` are consumed: give them back to the windows (a
         WINDOW_UPDATE is queued once half a window is due; the writer is woken only then).
-        ``flush=False``: the reader, which flushes after each read."""
+        ``flush=False``: the caller sends it (the reader after each read, a reset at once)."""
         self._h2.acknowledge_received_data(n, call.id)
         if flush:
             out = self._h2.data_to_send()
@@ -436,18 +443,18 @@ class EngineConnection:
         queued stay for the caller, then its failure)."""
         if call.closed:
             return
-        self._end(call)
+        self._end(call, flush=False)
         if self.failure is None:
             self._h2.reset_stream(call.id, code)
-            self._flush_soon()
+            self._write_through()
         self._close_if_done()
 
-    def _end(self, call: GrpcCall) -> None:
+    def _end(self, call: GrpcCall, *, flush: bool = True) -> None:
         call.closed = True
         self.calls.pop(call.id, None)
         if call._unacked:  # bytes the caller will not take: back to the connection window
             n, call._unacked = call._unacked, 0
-            self._ack(call, n)
+            self._ack(call, n, flush=flush)
 
     def _close_if_done(self) -> None:
         """After a GOAWAY, the connection closes once its last call ended."""
