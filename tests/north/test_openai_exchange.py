@@ -7,12 +7,14 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, cast
 
+import pytest
 import trio
 import trio.testing
 
 from sidecar.core.lifecycle import COMPLETED, OUTCOME_CLIENT_GONE, OUTCOME_COMPLETED, Outcome, StreamHandle
+from sidecar.north.openai.api_errors import ApiError
 from sidecar.north.openai.request_map import map_completion
-from sidecar.north.openai.routes import OpenAIConfig, OpenAIHost, _Exchange
+from sidecar.north.openai.routes import OpenAIConfig, OpenAIHost, _Exchange, read_body
 from sidecar.openengine import pb
 from tests.dynamo.helpers import mock_card
 from tests.north.test_openai_front import completion, finished, token
@@ -99,3 +101,41 @@ async def test_a_client_gone_mid_stream_cancels_it_and_gets_no_end() -> None:
             client.disconnect()
     assert host.outcome is OUTCOME_CLIENT_GONE
     assert all(m.get("more_body", False) for m, _ in client.sent if m["type"] == "http.response.body")
+
+
+class Body:
+    """An ASGI ``receive`` giving ``chunks`` (``more_body`` on each), then blocking: a body
+    whose end-of-body message has not been delivered yet."""
+
+    def __init__(self, *chunks: bytes) -> None:
+        self.chunks = list(chunks)
+
+    async def receive(self) -> dict[str, Any]:
+        if self.chunks:
+            return {"type": "http.request", "body": self.chunks.pop(0), "more_body": True}
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+
+async def test_a_body_is_complete_once_its_content_length_arrived() -> None:
+    with trio.fail_after(5):
+        assert await read_body(Body(b'{"a":', b"1}").receive, OpenAIConfig(), "7") == b'{"a":1}'
+
+
+async def test_a_body_without_a_length_waits_for_its_end() -> None:
+    done = False
+
+    async def read() -> None:
+        nonlocal done
+        await read_body(Body(b"{}").receive, OpenAIConfig(), None)
+        done = True
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            await trio.testing.wait_all_tasks_blocked()  # the end never comes
+            assert not done
+            nursery.cancel_scope.cancel()
+    with pytest.raises(ApiError) as info:
+        await read_body(Body(b"{}").receive, OpenAIConfig(body_timeout=0.01), "5")
+    assert info.value.status == 408  # a length not reached is still bounded by the body timeout

@@ -63,7 +63,7 @@ log = logging.getLogger(__name__)
 #: A chat body larger than this is rendered in a worker thread (the event loop goes on).
 RENDER_INLINE_BYTES = 64 * 1024
 #: Headers of the request read by the front (lower case).
-_HEADERS = ("x-request-id", "traceparent", "tracestate", "authorization")
+_HEADERS = ("x-request-id", "traceparent", "tracestate", "authorization", "content-length")
 
 
 class _ModelEntry(TypedDict):
@@ -275,23 +275,8 @@ class OpenAIFront:
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._generate(scope, receive, send, chat=True)
 
-    async def _read_body(self, receive: Receive) -> bytes:
-        limit = self.config.max_body_bytes
-        chunks: list[bytes] = []
-        size = 0
-        with trio.move_on_after(self.config.body_timeout):
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    raise ClientGone
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > limit:
-                    raise ApiError(413, f"the request body is larger than {limit} bytes")
-                chunks.append(chunk)
-                if not message.get("more_body", False):
-                    return b"".join(chunks)
-        raise ApiError(408, f"the request body did not arrive within {self.config.body_timeout:g}s")
+    async def _read_body(self, receive: Receive, headers: dict[str, str]) -> bytes:
+        return await read_body(receive, self.config, headers.get("content-length"))
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send, *, chat: bool) -> None:
         self._active += 1
@@ -313,7 +298,7 @@ class OpenAIFront:
                 raise ApiError(401, "a valid bearer token is required")
             if self._closed:
                 raise ApiError(503, "the sidecar is shutting down", code="draining")
-            body = await self._read_body(receive)
+            body = await self._read_body(receive, headers)
             card = self.host.card
             if card is None:
                 raise ApiError(503, "engine not discovered yet", code="internal")
@@ -360,6 +345,30 @@ class OpenAIFront:
         return mapped
 
 
+async def read_body(receive: Receive, config: OpenAIConfig, content_length: str | None) -> bytes:
+    """The request's body: at most ``max_body_bytes`` (413), within ``body_timeout`` (408);
+    ``ClientGone`` if the client leaves first. Complete once its ``Content-Length`` (validated by
+    the HTTP parser) has arrived: the ASGI end-of-body message that follows is left to the
+    disconnect watch, which ignores it (the request goes on one scheduler pass sooner)."""
+    limit = config.max_body_bytes
+    length = int(content_length) if content_length is not None and content_length.isdigit() else -1
+    chunks: list[bytes] = []
+    size = 0
+    with trio.move_on_after(config.body_timeout):
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body is larger than {limit} bytes")
+            chunks.append(chunk)
+            if size == length or not message.get("more_body", False):
+                return b"".join(chunks)
+    raise ApiError(408, f"the request body did not arrive within {config.body_timeout:g}s")
+
+
 _json = msgspec.json.Encoder().encode
 
 
@@ -395,7 +404,8 @@ class _Exchange:
 
     async def _watch(self) -> None:
         """While the stream runs: a disconnect cancels it (also the listener's close of a
-        connection whose client took nothing of a write for ``--stall-timeout``)."""
+        connection whose client took nothing of a write for ``--stall-timeout``); other messages
+        (the end of a body read by its length) are ignored."""
         while True:
             message = await self.receive()
             if message["type"] == "http.disconnect":
