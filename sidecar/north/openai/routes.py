@@ -275,9 +275,6 @@ class OpenAIFront:
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._generate(scope, receive, send, chat=True)
 
-    async def _read_body(self, receive: Receive, headers: dict[str, str]) -> bytes:
-        return await read_body(receive, self.config, headers.get("content-length"))
-
     async def _generate(self, scope: Scope, receive: Receive, send: Send, *, chat: bool) -> None:
         self._active += 1
         if self._idle.is_set():
@@ -298,7 +295,7 @@ class OpenAIFront:
                 raise ApiError(401, "a valid bearer token is required")
             if self._closed:
                 raise ApiError(503, "the sidecar is shutting down", code="draining")
-            body = await self._read_body(receive, headers)
+            body = await read_body(receive, self.config, headers.get("content-length"))
             card = self.host.card
             if card is None:
                 raise ApiError(503, "engine not discovered yet", code="internal")

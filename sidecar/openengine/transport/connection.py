@@ -225,7 +225,7 @@ class EngineConnection:
         self._h2 = h2_client.ClientConnection(stream_window=stream_window, max_header_list=MAX_HEADER_LIST)
         self._conn_window = conn_window
         self._writer: trio.lowlevel.Task | None = None  # the writer task while it waits
-        self._out: list[bytes] = []  # bytes taken from the protocol object by the reader, sent first
+        self._out: list[bytes] = []  # bytes taken from the protocol object, not yet sent: sent first
         self._want_write = False  # the writer is asked to send (its turn comes after this pass)
         self._writing = False  # the writer waits for the socket in the middle of a send
         self._closing = False  # the reader is done: the writer returns once nothing is queued
