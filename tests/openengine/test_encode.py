@@ -1,20 +1,22 @@
-"""The hand-written GenerateRequest encoder writes exactly betterproto2's bytes, or declines."""
+"""The hand-written GenerateRequest and GenerateResponse encoders write exactly betterproto2's bytes, or decline."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar.openengine import pb
-from sidecar.openengine.schema.encode import encode_generate_request
+from sidecar.openengine.schema.encode import encode_generate_request, encode_generate_response
 
 texts = st.text(max_size=12)
 u32 = st.integers(min_value=0, max_value=2**32 - 1)
 i32 = st.integers(min_value=-(2**31), max_value=2**31 - 1)
 u64 = st.integers(min_value=0, max_value=2**64 - 1)
 doubles = st.floats(allow_nan=False)
+any_doubles = st.floats()  # NaN, ±0.0, infinities
 opt = st.one_of
 
 sampling = st.builds(
@@ -85,6 +87,100 @@ def test_other_requests_are_declined() -> None:
     assert encode_generate_request(pb.GenerateRequest(prompt="x", stopping=stopping_unknown)) is None
 
 
+candidates = st.builds(
+    pb.LogProb,
+    token_id=u32,
+    logprob=st.one_of(st.just(0.0), st.just(-0.0), any_doubles),
+    token=texts,
+    rank=opt(st.none(), u32),
+)
+token_infos = st.builds(
+    pb.TokenInfo,
+    token_id=u32,
+    token=texts,
+    logprob=opt(st.none(), any_doubles),
+    rank=opt(st.none(), u32),
+    candidates=st.lists(candidates, max_size=3),
+)
+token_outputs = st.builds(
+    pb.TokenOutput,
+    output_index=opt(st.none(), u32),
+    tokens=st.lists(token_infos, max_size=4),
+    text=texts,
+)
+stop_matches = st.one_of(
+    st.builds(pb.StopMatch, stop_token_id=u32),
+    st.builds(pb.StopMatch, stop_text=texts),
+    st.builds(pb.StopMatch, eos_token_id=u32),
+    st.builds(pb.StopMatch),
+)
+finished = st.builds(
+    pb.GenerationFinished,
+    output_index=opt(st.none(), u32),
+    reason=st.sampled_from(list(pb.FinishReason)),
+    message=texts,
+    stop_match=opt(st.none(), stop_matches),
+)
+usages = st.builds(
+    pb.Usage,
+    prompt_tokens=u32,
+    completion_tokens=u32,
+    total_tokens=u32,
+    cached_prompt_tokens=opt(st.none(), u32),
+    reasoning_tokens=opt(st.none(), u32),
+)
+responses = st.one_of(
+    st.builds(pb.GenerateResponse, request_id=texts, token=token_outputs, usage=opt(st.none(), usages)),
+    st.builds(pb.GenerateResponse, request_id=texts, finished=finished, usage=opt(st.none(), usages)),
+    st.builds(pb.GenerateResponse, request_id=texts, usage=opt(st.none(), usages)),
+)
+
+
+@settings(max_examples=600, deadline=None)
+@given(responses)
+def test_token_finished_and_usage_events_encode_identically(response: pb.GenerateResponse) -> None:
+    assert encode_generate_response(response) == bytes(response)
+
+
+def test_other_responses_are_declined() -> None:
+    declined = [
+        pb.GenerateResponse(request_id="r", prompt=pb.PromptOutput(tokens=[pb.TokenInfo(token_id=1)])),
+        pb.GenerateResponse(request_id="r", prefill_ready=pb.PrefillReady()),
+        pb.GenerateResponse(request_id="r", error=pb.EngineError(message="x")),
+        # values betterproto2 writes its own way: a negative unsigned integer, a lone surrogate
+        pb.GenerateResponse(token=pb.TokenOutput(tokens=[pb.TokenInfo(token_id=-1)])),
+        pb.GenerateResponse(request_id="\ud800", token=pb.TokenOutput(text="a")),
+    ]
+    for response in declined:
+        assert encode_generate_response(response) is None
+    unknown = bytes(pb.GenerateResponse(request_id="r")) + b"\xa0\x06\x01"
+    assert encode_generate_response(pb.GenerateResponse.parse(unknown)) is None
+    info_unknown = pb.TokenInfo.parse(b"\x08\x05\xa0\x06\x01")
+    nested = pb.GenerateResponse(token=pb.TokenOutput(tokens=[info_unknown]))
+    assert encode_generate_response(nested) is None
+
+
+def test_an_engine_server_sends_the_encoders_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine server's codec writes the encoder's bytes, and betterproto2's where it declines."""
+    from sidecar.openengine.serving import grpc_server
+
+    token = pb.GenerateResponse(request_id="r", token=pb.TokenOutput(output_index=0, text="hi"))
+    prompt = pb.GenerateResponse(request_id="r", prompt=pb.PromptOutput())
+    codec = grpc_server._Codec()
+    assert codec.encode(token, pb.GenerateResponse) == bytes(token)
+    assert codec.encode(prompt, pb.GenerateResponse) == bytes(prompt)
+    seen: list[pb.GenerateResponse] = []
+
+    def spy(message: pb.GenerateResponse) -> bytes | None:
+        seen.append(message)
+        return encode_generate_response(message)
+
+    monkeypatch.setattr(grpc_server, "encode_generate_response", spy)
+    assert codec.encode(token, pb.GenerateResponse) == bytes(token)
+    assert codec.encode(prompt, pb.GenerateResponse) == bytes(prompt)
+    assert seen == [token, prompt]
+
+
 def test_the_encoder_knows_every_field_of_the_schema() -> None:
     """A field added to the schema must be taught to the encoder (or declined), never dropped."""
 
@@ -119,6 +215,20 @@ def test_the_encoder_knows_every_field_of_the_schema() -> None:
         },
         pb.StopCondition: {"stop_text", "stop_token_id"},
         pb.TokenIds: {"ids"},
+        pb.GenerateResponse: {"request_id", "token", "finished", "usage"}
+        | {"prompt", "prefill_ready", "error"},  # declined: betterproto2
+        pb.TokenOutput: {"output_index", "tokens", "text"},
+        pb.TokenInfo: {"token_id", "token", "logprob", "rank", "candidates"},
+        pb.LogProb: {"token_id", "logprob", "token", "rank"},
+        pb.GenerationFinished: {"output_index", "reason", "message", "stop_match"},
+        pb.StopMatch: {"stop_token_id", "stop_text", "eos_token_id"},
+        pb.Usage: {
+            "prompt_tokens",
+            "completion_tokens",
+            "total_tokens",
+            "cached_prompt_tokens",
+            "reasoning_tokens",
+        },
     }
     for cls, names in known.items():
         assert {f.name for f in dataclasses.fields(cls)} == names, cls.__name__

@@ -50,6 +50,7 @@ from grpclib.exceptions import GRPCError
 
 from sidecar.addresses import ListenAddress, parse_listen
 from sidecar.openengine import pb
+from sidecar.openengine.schema.encode import encode_generate_response
 from sidecar.openengine.schema.protobuf_wire import WireError, nested_field_bytes
 from sidecar.openengine.serving._grpclib_internals import server_port
 
@@ -91,11 +92,16 @@ class PreEncoded:
 
 
 class _Codec(ProtoCodec):
-    """The proto codec, plus :class:`PreEncoded` pass-through."""
+    """The proto codec, plus :class:`PreEncoded` pass-through and the hand-written encoder of the
+    common ``GenerateResponse`` events (:func:`encode_generate_response`, else betterproto2)."""
 
     def encode(self, message: Any, message_type: Any) -> bytes:
         if type(message) is PreEncoded:
             return message.data
+        if type(message) is pb.GenerateResponse:
+            data = encode_generate_response(message)
+            if data is not None:
+                return data
         return bytes(message)
 
     def decode(self, data: bytes, message_type: Any) -> Any:
