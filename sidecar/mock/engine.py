@@ -414,7 +414,8 @@ class MockEngine:
         return True
 
     def client_gone(self, req: Request) -> None:
-        """The client closed the stream before the terminal: count it and leak or release."""
+        """The client closed the stream before the terminal: count it and leak or release; a
+        request whose Abort came first ends aborted."""
         if req.done or not req.client:
             return
         self.note_cancel(req.id)
@@ -422,8 +423,12 @@ class MockEngine:
         if self.closing:
             self.finish(req, SHUTDOWN)
             return
+        if req.abort_reason is not None:
+            # the Abort came first and ended the request; the reset only cut its terminal short
+            self.finish(req, ABORTED)
+            return
         self.counters.requests_cancelled_by_client += 1
-        if self.config.orphans == "release" or req.abort_reason is not None:
+        if self.config.orphans == "release":
             self.finish(req, CANCELLED)
             return
         req.leaked = True

@@ -10,12 +10,13 @@ import pytest
 
 from sidecar.mock import runner
 from sidecar.mock.config import EngineConfig
-from sidecar.mock.engine import ORPHAN_EXPIRED, SHUTDOWN, MockEngine, Request
+from sidecar.mock.engine import ABORTED, ORPHAN_EXPIRED, SHUTDOWN, MockEngine, Request
 from sidecar.openengine import pb
 
 
 def engine_with(**fields: Any) -> MockEngine:
-    engine = MockEngine(EngineConfig(flavor="vllm", role="aggregated", orphans="hold", **fields))
+    fields.setdefault("orphans", "hold")
+    engine = MockEngine(EngineConfig(flavor="vllm", role="aggregated", **fields))
     engine.start()
     return engine
 
@@ -145,6 +146,29 @@ def test_leaving_serving_releases_held_requests_at_once() -> None:
 
     outcome, took, late_done = run(main())
     assert outcome == SHUTDOWN and took < 1.0 and late_done
+
+
+@pytest.mark.parametrize("orphans", ["hold", "release"])
+def test_a_client_leaving_after_its_abort_ends_the_request_aborted(orphans: str) -> None:
+    """The Abort reaches the engine before the stream's reset and the reset cancels the
+    handler before it sends the CANCELLED terminal: the Abort ended the request, so it counts
+    as aborted, once (it used to end ``cancelled``, counted in no outcome)."""
+
+    async def main() -> tuple[str, dict[str, Any]]:
+        engine = engine_with(orphans=orphans)
+        async with engine.serving():
+            req = accepted(engine, "r")
+            reply = engine.abort(pb.AbortRequest(request_id="r"))
+            assert reply.status == pb.AbortStatus.ABORTED
+            engine.client_gone(req)  # the handler's CancelledError, before it ran again
+            assert req.done
+        attrs = engine.counters.snapshot(in_flight=engine.in_flight, kv_sessions_open=0)
+        return engine.recent["r"]["outcome"], attrs
+
+    outcome, attrs = run(main())
+    assert outcome == ABORTED
+    counts = ("requests_aborted", "requests_cancelled_by_client", "requests_leaked", "requests_in_flight")
+    assert [attrs[k] for k in counts] == [1, 0, 0, 0]
 
 
 def test_serving_passes_the_blocks_own_error_through() -> None:
